@@ -1,0 +1,144 @@
+"""Communicators, one small module per backend, and the registry that picks one.
+
+Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
+environment variable, then :func:`choose_backend`'s automatic choice. Modules are
+imported only when their backend is chosen (importing ``mpi4py.MPI`` starts MPI).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+from smddp._topology import Topology
+from smddp.errors import BackendUnavailableError
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A registered backend: where its class lives and what it needs."""
+
+    name: str
+    target: str  # "module:Class"
+    device: str  # the device type whose tensors it moves ("cpu", "cuda", "xpu")
+    needs: str  # what to install when it is missing
+    summary: str
+
+
+BACKENDS: Dict[str, BackendInfo] = {
+    info.name: info
+    for info in (
+        BackendInfo("mpi", "smddp.comm.mpi:MPICommunicator", "cpu",
+                    "pip install 'smddp[mpi]' (mpi4py and Open MPI)",
+                    "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
+        BackendInfo("gloo", "smddp.comm.gloo:GlooCommunicator", "cpu",
+                    "a torch build with gloo (every official wheel has it)",
+                    "torch's gloo; CPU tensors; the default under torchrun or without mpi4py"),
+        BackendInfo("local", "smddp.comm.local:LocalCommunicator", "cpu",
+                    "nothing", "a world of one process: no communication at all"),
+    )
+}
+
+
+def register(info: BackendInfo) -> None:
+    """Add or replace a backend in the registry."""
+    BACKENDS[info.name] = info
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What this machine has, as far as backend selection is concerned.
+
+    :func:`probe` fills it from the running process; tests build it by hand to cover
+    machines that are not here.
+    """
+
+    cuda: bool = False
+    xpu: bool = False
+    mpi4py: bool = False
+    cupy: bool = False
+    xccl: bool = False
+    ccl: bool = False
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def probe() -> Probe:
+    """Look at this process: devices torch sees and the communication libraries importable."""
+    import torch
+    import torch.distributed as tdist
+
+    xpu = bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
+    is_xccl = getattr(tdist, "is_xccl_available", None)
+    return Probe(
+        cuda=torch.cuda.is_available(),
+        xpu=xpu,
+        mpi4py=_has_module("mpi4py"),
+        cupy=_has_module("cupy"),
+        xccl=bool(is_xccl and is_xccl()),
+        ccl=_has_module("oneccl_bindings_for_pytorch"),
+    )
+
+
+# Automatic choice per accelerator; the first whose condition holds wins.
+_AUTO: Tuple[Tuple[str, Callable[[Probe, Topology], bool]], ...] = ()
+
+
+def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: Topology, found: Probe) -> str:
+    """The backend to use.
+
+    Args:
+        requested: ``init_process_group(backend=...)``, or None.
+        env: the environment (``SMDDP_BACKEND`` is read from it).
+        topology: this process's topology.
+        found: what this machine has (:func:`probe`).
+
+    Returns:
+        A name in :data:`BACKENDS`.
+
+    Raises:
+        BackendUnavailableError: the name is unknown (the message lists the valid ones).
+    """
+    name = requested or env.get("SMDDP_BACKEND") or None
+    if name in (None, "", "auto", "smddp"):
+        if not topology.distributed and topology.size == 1:
+            return "local"
+        for candidate, applies in _AUTO:
+            if candidate in BACKENDS and applies(found, topology):
+                return candidate
+        return "mpi" if topology.mpi and found.mpi4py else "gloo"
+    name = name.lower()
+    if name not in BACKENDS:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))} (or 'auto')"
+        )
+    return name
+
+
+def backend_class(name: str):
+    """Import and return the communicator class of backend ``name``.
+
+    Raises:
+        BackendUnavailableError: unknown name, or its library is not installed (the
+            message says what to install).
+    """
+    info = BACKENDS.get(name)
+    if info is None:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
+        )
+    module_name, class_name = info.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the {name!r} backend cannot be loaded ({exc}); install it with: {info.needs}"
+        ) from exc
+    return getattr(module, class_name)

@@ -1,0 +1,135 @@
+"""The interface every communicator implements.
+
+A communicator moves bytes between the ranks of one job with one library (MPI, gloo,
+NCCL, oneCCL). It sees only what the :class:`~smddp.comm.engine.Engine` prepared:
+contiguous, detached tensors on its device, flat buffers for ``all_gather`` and
+``all_to_all_single``, counts in elements. Each call *starts* the operation and returns a
+:class:`Pending`; the engine owns sequence numbers, timeouts and handles.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+
+from smddp._topology import Topology
+
+
+class Op(enum.Enum):
+    """Reduction operations a communicator understands."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+class Pending(abc.ABC):
+    """An operation in flight.
+
+    ``test()`` makes progress and returns True once the result is in the caller's
+    tensors. It is called from one thread at a time (the engine holds a lock).
+    """
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """Advance the operation; True when it has completed."""
+
+    def stream_aware(self) -> bool:
+        """True when completion is ordered on a device stream (no host wait needed)."""
+        return False
+
+
+class Done(Pending):
+    """An operation that completed when it was started."""
+
+    def test(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+class Then(Pending):
+    """``pending``, then ``action()`` once, on completion (copy back, divide, cast)."""
+
+    def __init__(self, pending: Pending, action):
+        self._pending, self._action, self._done = pending, action, False
+
+    def test(self) -> bool:
+        if not self._done and self._pending.test():
+            self._action()
+            self._done = True
+        return self._done
+
+    def stream_aware(self) -> bool:
+        return self._pending.stream_aware()
+
+
+@dataclass
+class Context:
+    """What a communicator is created from: the topology and the job's rendezvous."""
+
+    topology: Topology
+    timeout: timedelta
+    store: Optional[Any] = None  # a torch.distributed.Store shared by all ranks, or None
+    device: Optional[torch.device] = None
+
+
+class Communicator(abc.ABC):
+    """One backend's collectives over all ranks of the job.
+
+    Attributes:
+        name: the backend's name (``"mpi"``, ``"gloo"``, ...).
+        device_types: tensor device types it moves (``("cpu",)``, ``("cuda",)``).
+        dtypes: dtypes it accepts for every operation.
+    """
+
+    name: ClassVar[str]
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    dtypes: ClassVar[frozenset] = frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.float64,
+         torch.uint8, torch.int8, torch.int32, torch.int64}
+    )
+
+    def __init__(self, ctx: Context):
+        self.rank = ctx.topology.rank
+        self.size = ctx.topology.size
+        self.local_rank = ctx.topology.local_rank
+        self.local_size = ctx.topology.local_size
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        """Reduce ``tensor`` over all ranks in place; every rank gets the same bits."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
+        """Fill flat ``output`` (``size * input.numel()`` elements) with every rank's input in rank order."""
+
+    @abc.abstractmethod
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_counts: Sequence[int],
+        input_counts: Sequence[int],
+        tag: int,
+    ) -> Pending:
+        """Send ``input_counts[j]`` elements to rank ``j``; receive ``output_counts[j]`` from it."""
+
+    @abc.abstractmethod
+    def barrier(self, tag: int) -> Pending:
+        """Complete once every rank has entered the barrier."""
+
+    def close(self) -> None:
+        """Release the library's resources. Called once, at ``destroy_process_group()``."""

@@ -1,0 +1,410 @@
+"""Runs collectives over communicators: order, checks, handles, timeouts.
+
+Every collective, whether it comes from smddp's own functions or from
+``torch.distributed`` through the ``"smddp"`` process group, passes through one
+:class:`Engine`. It
+
+- checks arguments that every backend would reject, before any communication;
+- numbers each collective (the sequence number names it in errors, and tags point-to-point
+  traffic so concurrent operations never mix);
+- makes buffers contiguous and copies results back into non-contiguous tensors;
+- routes each tensor to the communicator of its device (a CPU communicator serves CPU
+  tensors on a GPU job);
+- waits with a deadline, so a collective that does not complete raises
+  :class:`~smddp.errors.CollectiveTimeout` instead of hanging, after which the job is
+  broken and further collectives fail at once;
+- progresses asynchronous operations on one background thread, so their futures
+  complete while the caller computes (torch's DDP overlaps backward with this).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from smddp.comm.base import Communicator, Done, Op, Pending, Then
+from smddp.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeout,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
+
+# Busy-poll this many times before yielding the CPU while waiting: small collectives
+# finish within it, and a stalled peer does not cost a whole core for long.
+_HOT_POLLS = 4000
+_WARM_POLLS = 40000
+
+
+class Handle:
+    """A collective in flight: ``wait()`` and ``is_completed()``, like torch's Work."""
+
+    __slots__ = ("_engine", "seq", "op_name", "_pending", "_lock", "_done", "_error",
+                 "_callbacks", "deadline", "result")
+
+    def __init__(self, engine: "Engine", seq: int, op_name: str, pending: Pending, result=None):
+        self._engine = engine
+        self.seq = seq
+        self.op_name = op_name
+        self._pending = pending
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._callbacks: List[Callable[["Handle"], None]] = []
+        self.deadline = time.monotonic() + engine.timeout
+        #: What the operation produced (torch's Work futures carry the output tensors).
+        self.result = result
+
+    def is_completed(self) -> bool:
+        """Make progress; True once the operation has finished (or failed)."""
+        if self._done:
+            return True
+        with self._lock:
+            if self._done:
+                return True
+            try:
+                done = self._pending.test()
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+                self._error = self._engine._fail(exc, self)
+                done = True
+            if done:
+                self._done = True
+                callbacks, self._callbacks = self._callbacks, []
+        if done:
+            for callback in callbacks:
+                callback(self)
+        return done
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the operation completes.
+
+        Args:
+            timeout: seconds to wait at most; default the process group's timeout.
+
+        Returns:
+            True.
+
+        Raises:
+            CollectiveTimeout: it did not complete in time (the job is then broken).
+            CollectiveError: it failed.
+        """
+        deadline = self.deadline if timeout is None else time.monotonic() + timeout
+        polls = 0
+        while not self.is_completed():
+            polls += 1
+            if polls > _HOT_POLLS:
+                if time.monotonic() > deadline:
+                    self._expire()
+                    break
+                time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the operation ended with, if any."""
+        return self._error
+
+    def add_done_callback(self, callback: Callable[["Handle"], None]) -> None:
+        """Call ``callback(handle)`` once the operation has finished, from any thread."""
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                self._engine._watch(self)
+                return
+        callback(self)
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._error = self._engine._fail(self._engine._timeout_error(self), self)
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+class Engine:
+    """The collectives of one job over one communicator per device type.
+
+    Args:
+        comms: device type (``"cpu"``, ``"cuda"``, ``"xpu"``) to communicator; the first is
+            the job's primary backend.
+        timeout: seconds a collective may take before :class:`CollectiveTimeout`.
+    """
+
+    def __init__(self, comms: Dict[str, Communicator], timeout: float):
+        if not comms:
+            raise ValueError("an engine needs at least one communicator")
+        self.comms = dict(comms)
+        self.primary = next(iter(self.comms.values()))
+        self.rank = self.primary.rank
+        self.size = self.primary.size
+        self.timeout = float(timeout)
+        self.seq = 0
+        self._broken: Optional[BaseException] = None
+        self._closed = False
+        self._watched: List[Handle] = []
+        self._watch_cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def backend(self) -> str:
+        """Name of the primary communicator's backend."""
+        return self.primary.name
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CollectiveError("the process group was destroyed; call init_process_group() again")
+        if self._broken is not None:
+            raise CollectiveError(
+                f"the job is broken after an earlier failure and cannot run more collectives: "
+                f"{self._broken}"
+            ) from self._broken
+
+    def _fail(self, exc: BaseException, handle: Handle) -> BaseException:
+        if not isinstance(exc, CollectiveError):
+            wrapped = CollectiveError(
+                f"{handle.op_name} (sequence number {handle.seq}) failed on rank {self.rank}: {exc}"
+            )
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if self._broken is None:
+            self._broken = exc
+        return exc
+
+    def _timeout_error(self, handle: Handle) -> CollectiveTimeout:
+        report = ""
+        stall = getattr(handle._pending, "stall_report", None) or getattr(self.primary, "stall_report", None)
+        if stall is not None:
+            try:
+                report = " " + stall(handle.seq)
+            except Exception as exc:  # noqa: BLE001 - the report is best effort
+                report = f" (could not ask the other ranks: {exc})"
+        return CollectiveTimeout(
+            f"{handle.op_name} (sequence number {handle.seq}) did not complete within "
+            f"{self.timeout:g} s on rank {self.rank} of {self.size}.{report} "
+            f"The job is now broken: further collectives fail at once."
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
+        device = tensors[0].device
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+            if t.device != device:
+                raise InvalidArgumentError(f"tensors are on different devices: {device} and {t.device}")
+        comm = self.comms.get(device.type)
+        if comm is None:
+            raise BackendUnavailableError(
+                f"the {self.backend!r} backend does not serve {device.type} tensors "
+                f"(this job serves: {', '.join(sorted(self.comms))})"
+            )
+        dtype = tensors[0].dtype
+        for t in tensors:
+            if t.dtype != dtype:
+                raise InvalidTypeError(f"tensors have different dtypes: {dtype} and {t.dtype}")
+        if dtype not in comm.dtypes:
+            names = ", ".join(sorted(str(d).replace("torch.", "") for d in comm.dtypes))
+            raise InvalidTypeError(f"dtype {dtype} is not supported by the {comm.name} backend; use one of: {names}")
+        return comm
+
+    def _start(self, op_name: str, start: Callable[[int], Pending], async_op: bool, result=None) -> Handle:
+        # Ranks must start collectives in the same order: numbering and starting happen
+        # together, under one lock, whichever thread calls.
+        with self._start_lock:
+            self._check_usable()
+            self.seq += 1
+            seq = self.seq
+            try:
+                pending = start(seq)
+            except (CollectiveError, InvalidArgumentError, InvalidTypeError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+                handle = Handle(self, seq, op_name, Done(), result)
+                raise self._fail(exc, handle) from exc
+        handle = Handle(self, seq, op_name, pending, result)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    @staticmethod
+    def _inplace(tensor: torch.Tensor):
+        """A contiguous buffer for ``tensor`` and what to do once the operation is done."""
+        target = tensor.detach()
+        if target.is_contiguous():
+            return target, None
+        buf = target.contiguous()
+        return buf, lambda: target.copy_(buf)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: Op, async_op: bool = False) -> Handle:
+        """Reduce ``tensor`` over all ranks, in place."""
+        comm = self._comm_for(tensor)
+        buf, after = self._inplace(tensor)
+
+        def start(seq: int) -> Pending:
+            pending = comm.all_reduce(buf, op, seq)
+            return Then(pending, after) if after else pending
+
+        return self._start("all_reduce", start, async_op, [tensor])
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        comm = self._comm_for(tensor)
+        self._check_rank(src, "src")
+        buf, after = self._inplace(tensor)
+
+        def start(seq: int) -> Pending:
+            pending = comm.broadcast(buf, src, seq)
+            return Then(pending, after) if after else pending
+
+        return self._start("broadcast", start, async_op, [tensor])
+
+    def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Handle:
+        """Gather every rank's ``tensor`` into ``tensor_list`` (rank order)."""
+        if not isinstance(tensor_list, (list, tuple)):
+            raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
+        comm = self._comm_for(tensor, *tensor_list)
+        if len(tensor_list) != self.size:
+            raise InvalidArgumentError(
+                f"all_gather: tensor_list has {len(tensor_list)} tensors; it needs one per rank ({self.size})"
+            )
+        for i, out in enumerate(tensor_list):
+            if out.numel() != tensor.numel():
+                raise InvalidArgumentError(
+                    f"all_gather: tensor_list[{i}] has shape {tuple(out.shape)}, the input has "
+                    f"{tuple(tensor.shape)}: every output must have the input's number of elements"
+                )
+        src = tensor.detach().contiguous()
+        flat = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
+
+        def scatter_back() -> None:
+            for i, out in enumerate(tensor_list):
+                out.detach().copy_(flat[i * src.numel():(i + 1) * src.numel()].view(out.shape))
+
+        return self._start(
+            "all_gather", lambda seq: Then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
+            async_op, [list(tensor_list)],
+        )
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """Gather every rank's ``input`` into ``output`` (``size * input.numel()`` elements)."""
+        comm = self._comm_for(output, input)
+        if output.numel() != self.size * input.numel():
+            raise InvalidArgumentError(
+                f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
+                f"{self.size} x {input.numel()}"
+            )
+        buf, after = self._inplace(output)
+        src = input.detach().contiguous()
+
+        def start(seq: int) -> Pending:
+            pending = comm.all_gather(buf.view(-1), src.view(-1), seq)
+            return Then(pending, after) if after else pending
+
+        return self._start("all_gather_into_tensor", start, async_op, [output])
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Scatter slices of ``input`` (along dim 0) to all ranks, gather theirs into ``output``."""
+        comm = self._comm_for(output, input)
+        out_counts = self._split_counts(output, output_split_sizes, "output")
+        in_counts = self._split_counts(input, input_split_sizes, "input")
+        buf, after = self._inplace(output)
+        src = input.detach().contiguous()
+
+        def start(seq: int) -> Pending:
+            pending = comm.all_to_all_single(buf.view(-1), src.view(-1), out_counts, in_counts, seq)
+            return Then(pending, after) if after else pending
+
+        return self._start("all_to_all_single", start, async_op, [output])
+
+    def barrier(self, async_op: bool = False) -> Handle:
+        """Complete once every rank has entered the barrier."""
+        return self._start("barrier", self.primary.barrier, async_op, [])
+
+    # ------------------------------------------------------------------ validation
+    def _check_rank(self, rank, what: str) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise InvalidTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
+        if not 0 <= rank < self.size:
+            raise InvalidArgumentError(f"{what}={rank} is not a rank of this job (0..{self.size - 1})")
+
+    def _split_counts(self, tensor: torch.Tensor, splits: Optional[Sequence[int]], what: str) -> List[int]:
+        rows = tensor.shape[0] if tensor.dim() > 0 else 1
+        row_numel = tensor.numel() // rows if rows else 0
+        if splits is None or len(splits) == 0:
+            if rows % self.size:
+                raise InvalidArgumentError(
+                    f"all_to_all_single: {what} has {rows} rows along dim 0, not divisible by the "
+                    f"world size {self.size}; pass {what}_split_sizes"
+                )
+            return [rows // self.size * row_numel] * self.size
+        splits = list(splits)
+        if len(splits) != self.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in splits):
+            raise InvalidArgumentError(
+                f"all_to_all_single: {what}_split_sizes must be {self.size} non-negative ints, got {splits}"
+            )
+        if sum(splits) != rows:
+            raise InvalidArgumentError(
+                f"all_to_all_single: {what}_split_sizes {splits} add up to {sum(splits)}, but {what} has "
+                f"{rows} rows along dim 0"
+            )
+        return [s * row_numel for s in splits]
+
+    # ------------------------------------------------------------------ progress thread
+    def _watch(self, handle: Handle) -> None:
+        with self._watch_cv:
+            self._watched.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
+                self._thread.start()
+            self._watch_cv.notify()
+
+    def _progress(self) -> None:
+        while True:
+            with self._watch_cv:
+                while not self._watched and not self._closed:
+                    self._watch_cv.wait()
+                if self._closed and not self._watched:
+                    return
+                handles = list(self._watched)
+            finished = [h for h in handles if h.is_completed()]
+            now = time.monotonic()
+            for h in handles:
+                if h not in finished and now > h.deadline:
+                    h._expire()
+                    finished.append(h)
+            with self._watch_cv:
+                self._watched = [h for h in self._watched if h not in finished]
+                busy = bool(self._watched)
+            if busy:
+                time.sleep(2e-5)
+
+    def close(self) -> None:
+        """Stop the progress thread and close every communicator."""
+        if self._closed:
+            return
+        with self._watch_cv:
+            self._closed = True
+            self._watch_cv.notify_all()
+        closed = set()
+        for comm in self.comms.values():
+            if id(comm) not in closed:
+                closed.add(id(comm))
+                comm.close()

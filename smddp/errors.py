@@ -1,0 +1,56 @@
+"""The exceptions smddp raises.
+
+Every error is an :class:`SMDDPError` and also the built-in exception that fits, so
+``except ValueError`` keeps working in code written for ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+
+class SMDDPError(Exception):
+    """Root of every exception smddp raises."""
+
+
+class NotInitializedError(SMDDPError, RuntimeError):
+    """A collective or query was called before ``init_process_group()``."""
+
+
+class InvalidGroupError(SMDDPError, ValueError):
+    """A process group other than ``group.WORLD`` was passed."""
+
+
+class InvalidArgumentError(SMDDPError, ValueError):
+    """An argument has the right type but a value the operation cannot use."""
+
+
+class InvalidTypeError(SMDDPError, TypeError):
+    """An argument has the wrong type (a non-tensor, an unsupported dtype)."""
+
+
+class BackendUnavailableError(SMDDPError, RuntimeError):
+    """The requested backend is unknown, or its library or device is missing here."""
+
+
+class CollectiveError(SMDDPError, RuntimeError):
+    """A collective failed, or the job is broken after an earlier failure."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called different collectives (``SMDDP_DEBUG=1`` checks this)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within the process group's timeout."""
+
+
+__all__ = [
+    "SMDDPError",
+    "NotInitializedError",
+    "InvalidGroupError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "BackendUnavailableError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeout",
+]

@@ -1,0 +1,30 @@
+import shutil
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
+    config.addinivalue_line("markers", "mpi: needs mpirun and mpi4py")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU on this machine (gpu tests run where one is lent)")
+    skip_mpi = pytest.mark.skip(reason="mpirun or mpi4py not installed: pip install 'smddp[mpi]'")
+    has_mpi = shutil.which("mpirun") is not None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        has_mpi = False
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "mpi" in item.keywords and not has_mpi:
+            item.add_marker(skip_mpi)

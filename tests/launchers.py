@@ -1,0 +1,111 @@
+"""Start real jobs from pytest: mpirun, torchrun and plain python, always with a timeout.
+
+Every multi-process test goes through :func:`run`, so none can hang: on timeout the whole
+process group of the launcher is killed and the test fails with the output so far.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+MPIRUN = shutil.which("mpirun")
+
+# Open MPI refuses root without these; the test machines run as root.
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def check(self) -> "Result":
+        assert self.returncode == 0, f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        return self
+
+
+def base_env(extra: Optional[Mapping[str, str]] = None) -> dict:
+    env = dict(os.environ)
+    for name in list(env):
+        # A test's own launcher decides the topology, never the one pytest runs under.
+        if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "SM_")) or name in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "SMDDP_BACKEND", "SMDDP_DEBUG", "SMDDP_TIMEOUT",
+        ):
+            env.pop(name)
+    env.update(MPI_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run(cmd: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None) -> Result:
+    """Run ``cmd`` in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=base_env(env), cwd=cwd or str(ROOT), start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}"
+        ) from None
+    return Result(proc.returncode, out, err)
+
+
+def mpirun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None,
+           mpi_args: Sequence[str] = ()) -> Result:
+    """``mpirun -np N python ARGS`` with the machine's Open MPI."""
+    assert MPIRUN, "mpirun not found: pip install 'smddp[mpi]'"
+    cmd = [MPIRUN, "-np", str(np), "--oversubscribe", *mpi_args, sys.executable, *args]
+    return run(cmd, timeout, env)
+
+
+def torchrun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None) -> Result:
+    """``torchrun --nproc-per-node N ARGS`` on loopback with a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    return run(cmd, timeout, env)
+
+
+def python(args: Sequence[str], timeout: float = 60, env: Optional[Mapping[str, str]] = None) -> Result:
+    return run([sys.executable, *args], timeout, env)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_lines(output: str, prefix: str) -> dict:
+    """``{rank: rest}`` from lines ``PREFIX <rank> <rest>`` printed by each rank."""
+    found = {}
+    for line in output.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and parts[0].endswith(prefix):
+            found[int(parts[1])] = parts[2] if len(parts) > 2 else ""
+    return found
