@@ -142,3 +142,20 @@ def backend_class(name: str):
             f"the {name!r} backend cannot be loaded ({exc}); install it with: {info.needs}"
         ) from exc
     return getattr(module, class_name)
+
+
+def create_communicators(name: str, ctx) -> Dict[str, object]:
+    """Build backend ``name``'s communicators: device type to communicator.
+
+    A backend class may define ``build(ctx)`` returning several (a GPU backend adds a CPU
+    communicator for CPU tensors); otherwise one instance serves its device type.
+
+    Raises:
+        BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
+    """
+    cls = backend_class(name)
+    build = getattr(cls, "build", None)
+    if build is not None:
+        return build(ctx)
+    comm = cls(ctx)
+    return {device: comm for device in cls.device_types}

@@ -46,7 +46,7 @@ class Handle:
     __slots__ = ("_engine", "seq", "op_name", "_pending", "_lock", "_done", "_error",
                  "_callbacks", "deadline", "result")
 
-    def __init__(self, engine: "Engine", seq: int, op_name: str, pending: Pending, result=None):
+    def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, result=None):
         self._engine = engine
         self.seq = seq
         self.op_name = op_name
@@ -54,7 +54,7 @@ class Handle:
         self._lock = threading.Lock()
         self._done = False
         self._error: Optional[BaseException] = None
-        self._callbacks: List[Callable[["Handle"], None]] = []
+        self._callbacks: List[Callable[[Handle], None]] = []
         self.deadline = time.monotonic() + engine.timeout
         #: What the operation produced (torch's Work futures carry the output tensors).
         self.result = result
@@ -109,7 +109,7 @@ class Handle:
         """The error the operation ended with, if any."""
         return self._error
 
-    def add_done_callback(self, callback: Callable[["Handle"], None]) -> None:
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Call ``callback(handle)`` once the operation has finished, from any thread."""
         with self._lock:
             if not self._done:

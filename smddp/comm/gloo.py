@@ -1,0 +1,96 @@
+"""The ``gloo`` backend: torch's own gloo process group on CPU tensors.
+
+The default under torchrun, or where mpi4py is missing. Each call starts a gloo
+operation (gloo runs it on its own threads) and completes through its Work.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as tdist
+
+from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.errors import BackendUnavailableError
+
+_GLOO_OPS = {
+    Op.SUM: tdist.ReduceOp.SUM,
+    Op.AVERAGE: tdist.ReduceOp.SUM,
+    Op.MIN: tdist.ReduceOp.MIN,
+    Op.MAX: tdist.ReduceOp.MAX,
+    Op.PRODUCT: tdist.ReduceOp.PRODUCT,
+}
+
+
+class _Work(Pending):
+    """A gloo Work, then what must follow it on this rank (divide, copy back)."""
+
+    __slots__ = ("_work", "_after")
+
+    def __init__(self, work, after=None):
+        self._work, self._after = work, after
+
+    def test(self) -> bool:
+        if self._work is not None:
+            if not self._work.is_completed():
+                return False
+            self._work.wait()  # raises the error of a failed operation
+            self._work = None
+            if self._after is not None:
+                self._after()
+        return True
+
+
+class GlooCommunicator(Communicator):
+    """Collectives through ``torch.distributed.ProcessGroupGloo`` over the job's store."""
+
+    name = "gloo"
+    device_types = ("cpu",)
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        if ctx.store is None:
+            raise BackendUnavailableError("the 'gloo' backend needs a rendezvous store (MASTER_ADDR/MASTER_PORT)")
+        if not tdist.is_gloo_available():
+            raise BackendUnavailableError("this torch build has no gloo; use the 'mpi' backend")
+        store = tdist.PrefixStore("smddp/gloo", ctx.store)
+        self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        work = tensor if tensor.dtype != torch.bfloat16 else tensor.float()
+        opts = tdist.AllreduceOptions()
+        opts.reduceOp = _GLOO_OPS[op]
+
+        def after() -> None:
+            if op is Op.AVERAGE:
+                if work.is_floating_point():
+                    work.div_(self.size)
+                else:
+                    work.div_(self.size, rounding_mode="trunc")
+            if work is not tensor:
+                tensor.copy_(work)
+
+        return _Work(self.pg.allreduce([work], opts), after)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        opts = tdist.BroadcastOptions()
+        opts.rootRank = src
+        return _Work(self.pg.broadcast([tensor], opts))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
+        return _Work(self.pg.allgather([list(output.chunk(self.size))], [input]))
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_counts: Sequence[int],
+        input_counts: Sequence[int],
+        tag: int,
+    ) -> Pending:
+        opts = tdist.AllToAllOptions()
+        return _Work(self.pg.alltoall_base(output, input, list(output_counts), list(input_counts), opts))
+
+    def barrier(self, tag: int) -> Pending:
+        return _Work(self.pg.barrier())

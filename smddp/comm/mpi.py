@@ -1,0 +1,198 @@
+"""The ``mpi`` backend: collectives through mpi4py on CPU tensors.
+
+Every operation is non-blocking (``MPI_Iallreduce`` and friends) and completes through
+``Pending.test()``, so the engine can wait with a deadline and a background thread can
+progress it while backward runs. Large all-reduces run a ring (reduce-scatter, then
+all-gather) over non-blocking point-to-point messages: Open MPI's non-blocking
+collectives are about 2.5x slower than its blocking ones at 16 MB, the ring matches the
+blocking speed, and each chunk is reduced on exactly one rank, so every rank ends with the
+same bits.
+
+Buffers are handed to MPI by address (``MPI.buffer.fromaddress``), not through DLPack:
+that costs about 1 us instead of 7 us per call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.errors import BackendUnavailableError
+
+try:
+    from mpi4py import MPI
+except ImportError as exc:  # pragma: no cover - exercised where mpi4py is absent
+    raise BackendUnavailableError(
+        "the 'mpi' backend needs mpi4py and an MPI library: pip install 'smddp[mpi]'"
+    ) from exc
+
+#: All-reduces of at least this many bytes use the ring; smaller ones MPI_Iallreduce.
+RING_MIN_BYTES = int(os.environ.get("SMDDP_MPI_RING_MIN_BYTES", 256 * 1024))
+
+_MPI_OPS = {Op.SUM: MPI.SUM, Op.AVERAGE: MPI.SUM, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX, Op.PRODUCT: MPI.PROD}
+
+_MPI_TYPES = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int8: MPI.INT8_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+}
+if MPI.FLOAT16_T != MPI.DATATYPE_NULL:
+    _MPI_TYPES[torch.float16] = MPI.FLOAT16_T
+
+_TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
+
+
+def _buffer(t: torch.Tensor, datatype=None):
+    """An mpi4py buffer spec over ``t``'s memory (``t`` contiguous)."""
+    nbytes = t.numel() * t.element_size()
+    mem = MPI.buffer.fromaddress(t.data_ptr(), nbytes) if nbytes else MPI.buffer.allocate(0)
+    if datatype is None:
+        return [mem, nbytes, MPI.BYTE]
+    return [mem, t.numel(), datatype]
+
+
+def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
+    if op in (Op.SUM, Op.AVERAGE):
+        acc.add_(incoming)
+    elif op is Op.MIN:
+        torch.minimum(acc, incoming, out=acc)
+    elif op is Op.MAX:
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        acc.mul_(incoming)
+
+
+def _average(t: torch.Tensor, size: int) -> None:
+    if t.is_floating_point():
+        t.div_(size)
+    else:
+        t.div_(size, rounding_mode="trunc")
+
+
+class _Requests(Pending):
+    """Drives a generator that yields lists of MPI requests, one stage at a time.
+
+    The first stage starts at once, in the caller's thread: collectives must be started in
+    the same order on every rank, whichever thread later progresses them.
+    """
+
+    __slots__ = ("_stages", "_current")
+
+    def __init__(self, stages: Iterator[List]):
+        self._stages = stages
+        self._current: Optional[List] = next(stages, None)
+
+    def test(self) -> bool:
+        while True:
+            if self._current is None:
+                return True
+            if self._current and not MPI.Request.Testall(self._current):
+                return False
+            self._current = next(self._stages, None)
+
+
+class MPICommunicator(Communicator):
+    """Collectives over ``MPI_COMM_WORLD`` (a duplicate, so user MPI traffic never mixes)."""
+
+    name = "mpi"
+    device_types = ("cpu",)
+    dtypes = frozenset(_MPI_TYPES) | {torch.bfloat16, torch.float16}
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        if (self.rank, self.size) != (ctx.topology.rank, ctx.topology.size):
+            raise BackendUnavailableError(
+                f"MPI says rank {self.rank} of {self.size}, but the job was set up as rank "
+                f"{ctx.topology.rank} of {ctx.topology.size}: use the 'mpi' backend only under "
+                f"an MPI launcher (mpirun, smddprun, srun --mpi)"
+            )
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+
+    # ---------------------------------------------------------------- all_reduce
+    def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        return _Requests(self._all_reduce(tensor, op, tag))
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int):
+        work = tensor
+        if tensor.dtype not in _MPI_TYPES:  # bfloat16 (and float16 where MPI lacks it)
+            work = tensor.float()
+        if self.size > 1:
+            nbytes = work.numel() * work.element_size()
+            if nbytes >= RING_MIN_BYTES and work.numel() >= self.size:
+                yield from self._ring(work.view(-1), op, tag % _TAG_SPACE)
+            else:
+                yield [self.comm.Iallreduce(MPI.IN_PLACE, _buffer(work, _MPI_TYPES[work.dtype]), op=_MPI_OPS[op])]
+        if op is Op.AVERAGE:
+            _average(work, self.size)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def _ring(self, flat: torch.Tensor, op: Op, tag: int):
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        chunks = list(torch.tensor_split(flat, n))
+        scratch = torch.empty_like(chunks[0])
+        # Reduce-scatter: after n-1 steps rank r holds the full result of chunk r+1.
+        for step in range(n - 1):
+            send, recv = chunks[(r - step) % n], chunks[(r - step - 1) % n]
+            incoming = scratch[: recv.numel()]
+            yield [self.comm.Irecv(_buffer(incoming), source=left, tag=tag),
+                   self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+            _combine(recv, incoming, op)
+        # All-gather the reduced chunks around the ring.
+        for step in range(n - 1):
+            send, recv = chunks[(r + 1 - step) % n], chunks[(r - step) % n]
+            yield [self.comm.Irecv(_buffer(recv), source=left, tag=tag),
+                   self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+
+    # ---------------------------------------------------------------- the rest
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        return _Requests(iter([[self.comm.Ibcast(_buffer(tensor), root=src)]]))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
+        # The receive count is per rank, as MPI_Allgather counts it.
+        nbytes = input.numel() * input.element_size()
+        recv = [_buffer(output)[0], nbytes, MPI.BYTE]
+        return _Requests(iter([[self.comm.Iallgather(_buffer(input), recv)]]))
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_counts: Sequence[int],
+        input_counts: Sequence[int],
+        tag: int,
+    ) -> Pending:
+        size = output.element_size()
+        send_counts = [c * size for c in input_counts]
+        recv_counts = [c * size for c in output_counts]
+        send = [_buffer(input)[0], (send_counts, _displacements(send_counts)), MPI.BYTE]
+        recv = [_buffer(output)[0], (recv_counts, _displacements(recv_counts)), MPI.BYTE]
+        return _Requests(iter([[self.comm.Ialltoallv(send, recv)]]))
+
+    def barrier(self, tag: int) -> Pending:
+        return _Requests(iter([[self.comm.Ibarrier()]]))
+
+    def close(self) -> None:
+        if not MPI.Is_finalized():
+            self.comm.Free()
+
+
+def _displacements(counts: Sequence[int]) -> List[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out

@@ -1,0 +1,466 @@
+"""``smddp.torch.distributed``: the API of ``smdistributed.dataparallel.torch.distributed``.
+
+Swap the import and a SageMaker training script runs anywhere::
+
+    import smddp.torch.distributed as dist
+    from smddp.torch.parallel.distributed import DistributedDataParallel as DDP
+
+    dist.init_process_group()
+    torch.cuda.set_device(dist.get_local_rank())   # on GPU machines
+
+Names, parameters and defaults follow the smdistributed v1 reference. After
+:func:`init_process_group`, ``torch.distributed`` is initialized on the same world (the
+``"smddp"`` backend), so libraries that call ``torch.distributed`` directly keep working.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as tdist
+
+from smddp import comm
+from smddp._topology import discover
+from smddp.comm.base import Op
+from smddp.comm.engine import Engine, Handle
+from smddp.comm.rendezvous import make_store
+from smddp.errors import (
+    InvalidArgumentError,
+    InvalidGroupError,
+    InvalidTypeError,
+    NotInitializedError,
+)
+from smddp.torch import _compat, process_group
+
+__all__ = [
+    "ReduceOp",
+    "group",
+    "is_available",
+    "init_process_group",
+    "is_initialized",
+    "destroy_process_group",
+    "get_world_size",
+    "get_rank",
+    "get_local_rank",
+    "get_local_size",
+    "get_backend",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_to_all_single",
+    "barrier",
+]
+
+
+class ReduceOp(enum.Enum):
+    """An enum-like class for supported reduction operations in smddp.
+
+    The values of this class can be accessed as attributes, for example,
+    ``ReduceOp.SUM``. They are used in specifying strategies for reduction collectives such
+    as :func:`all_reduce`. ``torch.distributed.ReduceOp.SUM``, ``AVG``, ``MIN`` and ``MAX``
+    are accepted too.
+    """
+
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+
+
+class _World:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "smddp.torch.distributed.group.WORLD"
+
+
+class group:  # noqa: N801 - the reference's name
+    """Process groups. Only ``group.WORLD``, every process of the job, is supported."""
+
+    WORLD = _World()
+
+
+_OPS = {
+    ReduceOp.AVERAGE: Op.AVERAGE,
+    ReduceOp.SUM: Op.SUM,
+    ReduceOp.MIN: Op.MIN,
+    ReduceOp.MAX: Op.MAX,
+    tdist.ReduceOp.RedOpType.AVG: Op.AVERAGE,
+    tdist.ReduceOp.RedOpType.SUM: Op.SUM,
+    tdist.ReduceOp.RedOpType.MIN: Op.MIN,
+    tdist.ReduceOp.RedOpType.MAX: Op.MAX,
+}
+
+_INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name",
+                "pg_options", "device_id")
+
+
+# ---------------------------------------------------------------------------- checks
+def _engine() -> Engine:
+    pg = process_group.current()
+    if pg is None:
+        raise NotInitializedError(
+            "smddp is not initialized: call smddp.torch.distributed.init_process_group() first"
+        )
+    return pg.engine
+
+
+def _check_group(grp) -> None:
+    if grp is None or grp is group.WORLD:
+        return
+    pg = process_group.current()
+    if pg is not None and grp is pg:
+        return
+    raise InvalidGroupError(
+        f"process groups are not supported: got {grp!r}; the only supported value is "
+        f"smddp.torch.distributed.group.WORLD"
+    )
+
+
+def _check_tensor(tensor, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _op(op) -> Op:
+    if op is None:
+        return Op.SUM
+    key = getattr(op, "op", op)  # a torch ReduceOp object carries its type in .op
+    try:
+        return _OPS[key]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(
+            f"unsupported reduction op {op!r}; supported: ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX"
+        ) from None
+
+
+def _handle(handle: Handle, async_op: bool) -> Optional[Handle]:
+    return handle if async_op else None
+
+
+# ---------------------------------------------------------------------------- setup
+def is_available() -> bool:
+    """Check if script started as a distributed job.
+
+    For local runs user can check that is_available returns False and run the training
+    script without calls to smddp.
+
+    Returns:
+        ``True`` if started as a distributed job (by mpirun, smddprun, torchrun, srun, or on
+        several SageMaker hosts), ``False`` otherwise.
+    """
+    return discover(os.environ).distributed
+
+
+def init_process_group(*args, **kwargs) -> None:
+    """Initialize smddp. Must be called at the beginning of the training script, before
+    calling any other methods.
+
+    After this call, :func:`is_initialized` returns ``True``, and so does
+    ``torch.distributed.is_initialized()``: torch's default group is smddp's.
+    A plain ``python train.py`` gets rank 0 of a world of one, without MPI or ports.
+    Calling it again once initialized does nothing.
+
+    Args:
+        backend (str, optional): ``"mpi"``, ``"gloo"``, ``"nccl"``, ``"torch-nccl"``,
+            ``"xccl"``, ``"local"``, or ``None``/``"smddp"``/``"auto"`` to choose from the
+            machine and launcher. Overrides the ``SMDDP_BACKEND`` environment variable.
+        timeout (datetime.timedelta, optional): how long a collective may take before
+            :class:`smddp.CollectiveTimeout`; default ``SMDDP_TIMEOUT`` seconds, else 30 minutes.
+        init_method, world_size, rank, store, group_name, pg_options, device_id: as in
+            ``torch.distributed.init_process_group``, for scripts written for it.
+
+    Raises:
+        BackendUnavailableError: an unknown backend (the valid ones are listed), or one
+            whose library is not installed (the pip extra is named).
+        TypeError: an argument torch's ``init_process_group`` does not have either.
+    """
+    if len(args) > 1:
+        raise TypeError("init_process_group() takes at most one positional argument (backend)")
+    unknown = sorted(set(kwargs) - set(_INIT_KWARGS))
+    if unknown:
+        raise TypeError(f"init_process_group() got unexpected keyword arguments: {', '.join(unknown)}")
+    if args:
+        if "backend" in kwargs:
+            raise TypeError("init_process_group() got backend twice")
+        kwargs["backend"] = args[0]
+    if is_initialized():
+        return
+    timeout = kwargs.get("timeout")
+    if timeout is None:
+        env = os.environ.get("SMDDP_TIMEOUT")
+        timeout = timedelta(seconds=float(env)) if env else _compat.default_timeout()
+    elif not isinstance(timeout, timedelta):
+        raise InvalidTypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    rank, world_size = kwargs.get("rank"), kwargs.get("world_size")
+    if rank == -1 and world_size == -1:  # torch's defaults
+        rank = world_size = None
+    topology = discover(os.environ, rank, world_size)
+    backend = kwargs.get("backend")
+    name = comm.choose_backend(None if backend in (None, "smddp") else backend, os.environ, topology, comm.probe())
+    comm.backend_class(name)  # fail here, naming the pip extra, before any rendezvous
+
+    process_group.register()
+    process_group.request_backend(name)
+    extra = {k: kwargs[k] for k in ("group_name", "pg_options", "device_id") if kwargs.get(k) is not None}
+    try:
+        store = kwargs.get("store")
+        init_method = kwargs.get("init_method")
+        if store is None and (init_method is not None or topology.launcher == "torchrun"):
+            tdist.init_process_group(
+                process_group.BACKEND_NAME, init_method=init_method or "env://", timeout=timeout,
+                rank=topology.rank if rank is not None else -1,
+                world_size=topology.size if world_size is not None else -1, **extra,
+            )
+        else:
+            tdist.init_process_group(
+                process_group.BACKEND_NAME, store=store or make_store(topology, timeout),
+                rank=topology.rank, world_size=topology.size, timeout=timeout, **extra,
+            )
+    finally:
+        process_group.request_backend(None)
+
+
+def is_initialized() -> bool:
+    """Checks if the default process group has been initialized.
+
+    Returns:
+        ``True`` if initialized, else ``False``.
+    """
+    return process_group.current() is not None
+
+
+def destroy_process_group() -> None:
+    """Tear down smddp and torch's default group; :func:`init_process_group` may be called again."""
+    if process_group.current() is None:
+        return
+    process_group.destroy()
+    tdist.destroy_process_group()
+
+
+def get_world_size(group=group.WORLD) -> int:
+    """The total number of processes (GPUs) across all the nodes in the cluster.
+
+    For example, in a 8 node cluster with 8 GPU each, size will be equal to 64.
+
+    Args:
+        group: only ``group.WORLD`` is supported; the parameter exists for API parity
+            with ``torch.distributed``.
+
+    Returns:
+        An integer scalar containing the total number of processes in the training job.
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+        InvalidGroupError: ``group`` is not ``group.WORLD``.
+    """
+    engine = _engine()
+    _check_group(group)
+    return engine.size
+
+
+def get_rank(group=group.WORLD) -> int:
+    """The rank of the process in the job, from 0 to ``get_world_size() - 1``.
+
+    This is similar to MPI's world rank.
+
+    Args:
+        group: only ``group.WORLD`` is supported.
+
+    Returns:
+        An integer scalar containing the rank of the worker.
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+        InvalidGroupError: ``group`` is not ``group.WORLD``.
+    """
+    engine = _engine()
+    _check_group(group)
+    return engine.rank
+
+
+def get_local_rank() -> int:
+    """Local rank refers to the relative rank of the smddp process within the node the
+    current process is running on.
+
+    For example, if a node contains 8 GPUs, it has 8 smddp processes, each with a
+    ``local_rank`` ranging from 0 to 7. Use it to pin one GPU per process:
+    ``torch.cuda.set_device(dist.get_local_rank())``.
+
+    Returns:
+        An integer scalar containing the rank of the GPU and its smddp process on this node.
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+    """
+    return _engine().primary.local_rank
+
+
+def get_local_size() -> int:
+    """The number of smddp processes on the node the current process is running on.
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+    """
+    return _engine().primary.local_size
+
+
+def get_backend() -> str:
+    """The name of the active backend (``"mpi"``, ``"gloo"``, ``"nccl"``, ``"local"``, ...).
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+    """
+    return _engine().backend
+
+
+# ---------------------------------------------------------------------------- collectives
+def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Optional[Handle]:
+    """Performs an all-reduce operation on a tensor across all smddp workers.
+
+    The tensor is reduced across all workers in such a way that all get the final
+    result; after the call ``tensor`` is bitwise identical in all processes.
+
+    Args:
+        tensor (torch.Tensor): input and output of the collective; the function operates
+            in place (non-contiguous tensors too).
+        op (ReduceOp): the reduction to combine tensors across ranks: ``AVERAGE``, ``SUM``,
+            ``MIN`` or ``MAX``. Defaults to ``SUM`` (also when ``None`` is given). Integer
+            ``AVERAGE`` rounds toward zero.
+        group: only ``group.WORLD`` is supported.
+        async_op (bool): whether this op should be an async op. Defaults to ``False``.
+
+    Returns:
+        Async op work handle (``wait()``, ``is_completed()``) if ``async_op`` is True,
+        ``None`` otherwise.
+
+    Raises:
+        NotInitializedError: called before :func:`init_process_group`.
+        InvalidGroupError: ``group`` is not ``group.WORLD``.
+        InvalidTypeError: ``tensor`` is not a tensor, or its dtype is not supported.
+        InvalidArgumentError: ``op`` is not one of the supported ops.
+        CollectiveTimeout: the other ranks did not join within the timeout.
+    """
+    engine = _engine()
+    _check_group(group)
+    _check_tensor(tensor)
+    return _handle(engine.all_reduce(tensor, _op(op), async_op), async_op)
+
+
+def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Handle]:
+    """Broadcasts the tensor to the whole group.
+
+    Args:
+        tensor (torch.Tensor): data to be sent if ``src`` is the rank of the current
+            process, and tensor to be used to save received data otherwise.
+        src (int): source rank. Defaults to 0.
+        group: only ``group.WORLD`` is supported.
+        async_op (bool): whether this op should be an async op. Defaults to ``False``.
+
+    Returns:
+        Async op work handle if ``async_op`` is True, ``None`` otherwise.
+
+    Raises:
+        NotInitializedError, InvalidGroupError, InvalidTypeError: as :func:`all_reduce`.
+        InvalidArgumentError: ``src`` is not a rank of the job.
+        CollectiveTimeout: the other ranks did not join within the timeout.
+    """
+    engine = _engine()
+    _check_group(group)
+    _check_tensor(tensor)
+    return _handle(engine.broadcast(tensor, src, async_op), async_op)
+
+
+def all_gather(tensor_list, tensor, group=group.WORLD, async_op=False) -> Optional[Handle]:
+    """Gathers tensors from the whole group in a list.
+
+    Args:
+        tensor_list (list[torch.Tensor]): output list. It should contain one correctly
+            sized tensor per rank; ``tensor_list[i]`` receives rank ``i``'s tensor.
+        tensor (torch.Tensor): tensor to be broadcast from current process.
+        group: only ``group.WORLD`` is supported.
+        async_op (bool): whether this op should be an async op. Defaults to ``False``.
+
+    Returns:
+        Async op work handle if ``async_op`` is True, ``None`` otherwise.
+
+    Raises:
+        NotInitializedError, InvalidGroupError: as :func:`all_reduce`.
+        InvalidTypeError: a non-tensor, or dtypes that differ.
+        InvalidArgumentError: ``tensor_list`` does not hold one tensor per rank, or one has
+            a different number of elements than ``tensor``.
+        CollectiveTimeout: the other ranks did not join within the timeout.
+    """
+    engine = _engine()
+    _check_group(group)
+    _check_tensor(tensor)
+    if not isinstance(tensor_list, (list, tuple)):
+        raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
+    for i, out in enumerate(tensor_list):
+        _check_tensor(out, f"tensor_list[{i}]")
+    return _handle(engine.all_gather(tensor_list, tensor, async_op), async_op)
+
+
+def all_to_all_single(
+    output_t,
+    input_t,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group=group.WORLD,
+    async_op=False,
+) -> Optional[Handle]:
+    """Each process scatters input tensor to all processes in a group and return gathered
+    tensor in output.
+
+    Slices are taken along dim 0: rank ``j`` receives ``input_split_sizes[j]`` rows of
+    ``input_t``, and ``output_t`` receives ``output_split_sizes[i]`` rows from rank ``i``,
+    in rank order. Without split sizes dim 0 is split equally.
+
+    Args:
+        output_t (torch.Tensor): gathered output.
+        input_t (torch.Tensor): input to scatter.
+        output_split_sizes (list[int], optional): rows received from each rank.
+        input_split_sizes (list[int], optional): rows sent to each rank.
+        group: only ``group.WORLD`` is supported.
+        async_op (bool): whether this op should be an async op. Defaults to ``False``.
+
+    Returns:
+        Async op work handle if ``async_op`` is True, ``None`` otherwise.
+
+    Raises:
+        NotInitializedError, InvalidGroupError, InvalidTypeError: as :func:`all_reduce`.
+        InvalidArgumentError: split sizes that are not one per rank or do not add up to
+            dim 0, or a dim 0 that does not divide equally without them.
+        CollectiveTimeout: the other ranks did not join within the timeout.
+    """
+    engine = _engine()
+    _check_group(group)
+    _check_tensor(output_t, "output_t")
+    _check_tensor(input_t, "input_t")
+    return _handle(
+        engine.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, async_op), async_op
+    )
+
+
+def barrier(group=group.WORLD, async_op=False) -> Optional[Handle]:
+    """Synchronizes all smddp processes.
+
+    Args:
+        group: only ``group.WORLD`` is supported.
+        async_op (bool): whether this op should be an async op. Defaults to ``False``.
+
+    Returns:
+        Async op work handle if ``async_op`` is True, ``None`` otherwise.
+
+    Raises:
+        NotInitializedError, InvalidGroupError: as :func:`all_reduce`.
+        CollectiveTimeout: the other ranks did not arrive within the timeout.
+    """
+    engine = _engine()
+    _check_group(group)
+    return _handle(engine.barrier(async_op), async_op)

@@ -1,0 +1,5 @@
+"""``smddp.torch.parallel``: smddp's ``DistributedDataParallel``."""
+
+from smddp.torch.parallel.distributed import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

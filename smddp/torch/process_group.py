@@ -1,0 +1,234 @@
+"""The ``"smddp"`` backend of ``torch.distributed``: a Python ProcessGroup over the engine.
+
+After ``init_process_group()`` torch's default group is a :class:`SmddpProcessGroup`, so
+``torch.distributed.all_reduce``, torch's DDP, samplers, Hugging Face and Lightning run on
+smddp's communicator. Work objects carry real futures, completed by the engine's progress
+thread, so torch's DDP overlaps gradient reduction with backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as tdist
+
+from smddp import comm
+from smddp._topology import Topology, discover
+from smddp.comm.base import Context, Op
+from smddp.comm.engine import Engine, Handle
+from smddp.errors import InvalidArgumentError, InvalidGroupError
+from smddp.torch import _compat
+
+BACKEND_NAME = "smddp"
+
+_RED_OPS = {
+    tdist.ReduceOp.RedOpType.SUM: Op.SUM,
+    tdist.ReduceOp.RedOpType.AVG: Op.AVERAGE,
+    tdist.ReduceOp.RedOpType.MIN: Op.MIN,
+    tdist.ReduceOp.RedOpType.MAX: Op.MAX,
+    tdist.ReduceOp.RedOpType.PRODUCT: Op.PRODUCT,
+}
+
+
+def torch_op(reduce_op) -> Op:
+    """smddp's :class:`Op` for a torch ``ReduceOp`` (an options field or a constant)."""
+    kind = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _RED_OPS[kind]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(
+            f"the smddp backend does not support ReduceOp {reduce_op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
+        ) from None
+
+
+class Work(_compat.WorkBase):
+    """torch's Work over an engine :class:`~smddp.comm.engine.Handle`."""
+
+    def __init__(self, handle: Handle, result: List[torch.Tensor]):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._future: Optional[torch.futures.Future] = None
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the group's timeout applies
+        self._handle.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+    def is_success(self) -> bool:
+        return self._handle.is_completed() and self._handle.exception() is None
+
+    def exception(self):
+        return self._handle.exception()
+
+    def result(self) -> List[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            future = torch.futures.Future()
+
+            def complete(handle: Handle) -> None:
+                error = handle.exception()
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(self._result)
+
+            self._future = future
+            self._handle.add_done_callback(complete)
+        return self._future
+
+
+def _single(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{what}: the smddp backend takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+class SmddpProcessGroup(tdist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`."""
+
+    def __init__(self, engine: Engine, rank: int, size: int):
+        super().__init__(rank, size)
+        self.engine = engine
+        self._group_name = ""
+
+    # torch asks these of every group
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    # collectives torch calls by these names
+    def allreduce(self, tensors, opts=None):
+        tensor = _single(tensors, "allreduce")
+        op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
+        return Work(self.engine.all_reduce(tensor, op, async_op=True), [tensor])
+
+    def broadcast(self, tensors, opts=None):
+        tensor = _single(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        return Work(self.engine.broadcast(tensor, root, async_op=True), [tensor])
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        tensor = _single(input_tensors, "allgather")
+        outputs = _single(output_tensors, "allgather")
+        return Work(self.engine.all_gather(outputs, tensor, async_op=True), outputs)
+
+    def _allgather_base(self, output, input, opts=None):
+        return Work(self.engine.all_gather_into_tensor(output, input, async_op=True), [output])
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        handle = self.engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=True)
+        return Work(handle, [output])
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts=None):
+        return Work(self.engine.barrier(async_op=True), [])
+
+
+# ---------------------------------------------------------------------------- creation
+_requested_backend: Optional[str] = None
+_current: Optional[SmddpProcessGroup] = None
+
+
+def current() -> Optional[SmddpProcessGroup]:
+    """The active smddp group, if torch's default group is still it."""
+    if _current is None or not tdist.is_initialized():
+        return None
+    return _current
+
+
+def request_backend(name: Optional[str]) -> None:
+    """The backend the next group creation should use (None: ``SMDDP_BACKEND`` or automatic)."""
+    global _requested_backend
+    _requested_backend = name
+
+
+def _timeout(torch_timeout: timedelta) -> timedelta:
+    env = os.environ.get("SMDDP_TIMEOUT")
+    if env and torch_timeout == _compat.default_timeout():
+        try:
+            return timedelta(seconds=float(env))
+        except ValueError:
+            raise InvalidArgumentError(f"SMDDP_TIMEOUT={env!r} is not a number of seconds") from None
+    return torch_timeout
+
+
+def _topology(rank: int, size: int) -> Topology:
+    found = discover(os.environ)
+    if (found.rank, found.size) == (rank, size):
+        return found
+    launcher = "explicit" if found.launcher == "none" else found.launcher
+    local_size = found.local_size if found.size == size else size
+    return dataclasses.replace(
+        found, rank=rank, size=size, local_size=local_size, local_rank=rank % local_size,
+        node_rank=rank // local_size, launcher=launcher,
+    )
+
+
+def _create(options, backend_options=None) -> SmddpProcessGroup:
+    global _current
+    if tdist.is_initialized():
+        raise InvalidGroupError(
+            "smddp supports one process group, group.WORLD; new_group() with the smddp backend is "
+            "not supported (pass backend='gloo' to new_group for a CPU subgroup)"
+        )
+    rank, size = options.group_rank, options.group_size
+    topology = _topology(rank, size)
+    timeout = _timeout(options.timeout)
+    name = comm.choose_backend(_requested_backend, os.environ, topology, comm.probe())
+    communicators = comm.create_communicators(name, Context(topology, timeout, options.store))
+    group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds()), rank, size)
+    _current = group
+    return group
+
+
+def register() -> None:
+    """Register the ``"smddp"`` backend with ``torch.distributed`` (idempotent).
+
+    Also lets ``torch.distributed.init_process_group(backend="smddp")`` run under an MPI
+    launcher with no ``MASTER_ADDR``/``MASTER_PORT``: the ``env://`` rendezvous falls back to
+    meeting over MPI when the launcher is MPI and those variables are missing.
+    """
+    _compat.register_backend(BACKEND_NAME, _create, ("cpu", "cuda", "xpu"))
+    handlers = _compat.rendezvous_handlers()
+    original = handlers.get("env")
+    if original is None or getattr(original, "_smddp", False):
+        return
+
+    def env_or_mpi(url, timeout=_compat.default_timeout(), **kwargs):
+        topology = discover(os.environ)
+        if topology.mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+            from smddp.comm.rendezvous import make_store
+
+            yield make_store(topology, timeout), topology.rank, topology.size
+            return
+        yield from original(url, timeout=timeout, **kwargs)
+
+    env_or_mpi._smddp = True
+    handlers["env"] = env_or_mpi
+
+
+def destroy() -> None:
+    """Close the engine and forget the group (torch's own group is destroyed by the caller)."""
+    global _current
+    if _current is not None:
+        _current.engine.close()
+        _current = None
