@@ -116,9 +116,12 @@ class MPICommunicator(Communicator):
                 f"{ctx.topology.rank} of {ctx.topology.size}: use the 'mpi' backend only under "
                 f"an MPI launcher (mpirun, smddprun, srun --mpi)"
             )
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
+        if not ctx.topology.mpi:
+            # The launcher's local rank is what users pin devices with; ask MPI only when
+            # no launcher variable said it.
+            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+            local.Free()
 
     # ---------------------------------------------------------------- all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
