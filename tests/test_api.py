@@ -1,0 +1,129 @@
+"""The API's contract outside a multi-process job: errors before init, a world of one, v2 style."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+import smddp
+import smddp.torch.distributed as dist
+from launchers import mpirun, python, rank_lines
+from smddp import comm
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                 "SLURM_PROCID", "SM_HOSTS", "SMDDP_BACKEND", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def world_of_one(clean_env):
+    dist.init_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+CALLS_BEFORE_INIT = [
+    ("get_rank", lambda: dist.get_rank()),
+    ("get_world_size", lambda: dist.get_world_size()),
+    ("get_local_rank", lambda: dist.get_local_rank()),
+    ("get_local_size", lambda: dist.get_local_size()),
+    ("get_backend", lambda: dist.get_backend()),
+    ("all_reduce", lambda: dist.all_reduce(torch.ones(2))),
+    ("broadcast", lambda: dist.broadcast(torch.ones(2), 0)),
+    ("all_gather", lambda: dist.all_gather([torch.ones(2)], torch.ones(2))),
+    ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
+    ("barrier", lambda: dist.barrier()),
+]
+
+
+@pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT, ids=[c[0] for c in CALLS_BEFORE_INIT])
+def test_before_init(clean_env, name, call):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group") as info:
+        call()
+    assert isinstance(info.value, smddp.NotInitializedError)
+
+
+def test_ddp_before_init(clean_env):
+    from smddp.torch.parallel import DistributedDataParallel
+
+    with pytest.raises(smddp.NotInitializedError, match="init_process_group"):
+        DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_world_of_one_in_a_fresh_process():
+    result = python(["tests/scripts/world_of_one.py"]).check()
+    assert "WORLD_OF_ONE_OK" in result.stdout
+
+
+def test_world_of_one_collectives(world_of_one):
+    assert dist.is_initialized() and dist.get_backend() == "local"
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVERAGE, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+        t = torch.arange(5, dtype=torch.int32)
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t, torch.arange(5, dtype=torch.int32))
+    out = [torch.empty(2, 2)]
+    dist.all_gather(out, torch.eye(2))
+    assert torch.equal(out[0], torch.eye(2))
+    out = torch.empty(3)
+    dist.all_to_all_single(out, torch.tensor([1.0, 2.0, 3.0]), [3], [3])
+    assert out.tolist() == [1.0, 2.0, 3.0]
+    handle = dist.broadcast(torch.ones(1), 0, async_op=True)
+    assert handle.wait() and handle.is_completed()
+    with pytest.raises(ValueError, match="src"):
+        dist.broadcast(torch.ones(1), src=1)
+    dist.init_process_group()  # a second call is a no-op
+    assert dist.get_world_size() == 1
+
+
+def test_unknown_backend(clean_env):
+    with pytest.raises(smddp.BackendUnavailableError, match="valid backends: .*gloo.*mpi") as info:
+        dist.init_process_group(backend="carrier-pigeon")
+    assert isinstance(info.value, RuntimeError)
+    assert not dist.is_initialized()
+
+
+def test_missing_library_names_the_extra(monkeypatch):
+    monkeypatch.setitem(comm.BACKENDS, "fake", comm.BackendInfo(
+        "fake", "smddp_no_such_module:Comm", "cpu", "pip install 'smddp[fake]'", "test"))
+    with pytest.raises(smddp.BackendUnavailableError, match=r"pip install 'smddp\[fake\]'"):
+        comm.backend_class("fake")
+
+
+def test_bad_init_arguments(clean_env):
+    with pytest.raises(TypeError, match="timedelta"):
+        dist.init_process_group(timeout=30)
+    with pytest.raises(TypeError, match="unexpected"):
+        dist.init_process_group(bakend="mpi")
+    assert not dist.is_initialized()
+
+
+def test_timeout_and_explicit_backend(clean_env):
+    dist.init_process_group("local", timeout=timedelta(seconds=7))
+    try:
+        from smddp.torch import process_group
+
+        assert process_group.current().engine.timeout == 7
+    finally:
+        dist.destroy_process_group()
+
+
+def test_error_hierarchy():
+    assert issubclass(smddp.CollectiveTimeout, TimeoutError)
+    assert issubclass(smddp.InvalidGroupError, ValueError)
+    assert issubclass(smddp.InvalidTypeError, TypeError)
+    for name in smddp.errors.__all__:
+        assert issubclass(getattr(smddp, name), smddp.SMDDPError)
+
+
+@pytest.mark.mpi
+def test_v2_style_under_plain_mpirun():
+    result = mpirun(2, ["tests/scripts/v2_style.py"], timeout=120).check()
+    assert rank_lines(result.stdout, "V2_OK") == {0: "2", 1: "2"}
