@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import torch
 
 from smddp._topology import Topology
+from smddp.errors import BackendUnavailableError
 
 
 class Op(enum.Enum):
@@ -131,5 +132,24 @@ class Communicator(abc.ABC):
     def barrier(self, tag: int) -> Pending:
         """Complete once every rank has entered the barrier."""
 
-    def close(self) -> None:
+    # Point-to-point is optional: a backend that cannot do it keeps these defaults.
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        """Send ``tensor`` to rank ``dst``; messages between two ranks with one tag stay in order.
+
+        Raises:
+            BackendUnavailableError: this backend has no point-to-point messages.
+        """
+        raise BackendUnavailableError(f"the {self.name!r} backend cannot send point-to-point messages")
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Pending:
+        """Receive into ``tensor`` from rank ``src`` (``None``: any rank).
+
+        The returned Pending has a ``source`` attribute, the sender's rank, once complete.
+
+        Raises:
+            BackendUnavailableError: this backend has no point-to-point messages.
+        """
+        raise BackendUnavailableError(f"the {self.name!r} backend cannot receive point-to-point messages")
+
+    def close(self) -> None:  # noqa: B027 - optional: most backends have nothing to release
         """Release the library's resources. Called once, at ``destroy_process_group()``."""

@@ -6,7 +6,8 @@ operation (gloo runs it on its own threads) and completes through its Work.
 
 from __future__ import annotations
 
-from typing import Sequence
+from datetime import timedelta
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -42,6 +43,28 @@ class _Work(Pending):
         return True
 
 
+class _Message(Pending):
+    """A gloo send or receive; ``source`` is the peer (known once a receive completes).
+
+    gloo's point-to-point Work never reports completion to ``is_completed()``; only
+    ``wait()`` finishes it, so ``test()`` waits (gloo's own timeout bounds it).
+    """
+
+    __slots__ = ("_work", "source")
+
+    def __init__(self, work, peer: Optional[int]):
+        self._work = work
+        self.source = peer
+
+    def test(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            if self.source is None:
+                self.source = self._work._source_rank()
+            self._work = None
+        return True
+
+
 class GlooCommunicator(Communicator):
     """Collectives through ``torch.distributed.ProcessGroupGloo`` over the job's store."""
 
@@ -55,7 +78,9 @@ class GlooCommunicator(Communicator):
         if not tdist.is_gloo_available():
             raise BackendUnavailableError("this torch build has no gloo; use the 'mpi' backend")
         store = tdist.PrefixStore("smddp/gloo", ctx.store)
-        self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout)
+        # gloo's own limit comes a little after the engine's, so that the engine's timeout,
+        # which names the stalled ranks, is the one users see.
+        self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         work = tensor if tensor.dtype != torch.bfloat16 else tensor.float()
@@ -94,3 +119,11 @@ class GlooCommunicator(Communicator):
 
     def barrier(self, tag: int) -> Pending:
         return _Work(self.pg.barrier())
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        return _Message(self.pg.send([tensor], dst, tag), dst)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Pending:
+        if src is None:
+            return _Message(self.pg.recv_anysource([tensor], tag), None)
+        return _Message(self.pg.recv([tensor], src, tag), src)

@@ -19,8 +19,9 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from smddp import _excepthook
 from smddp.comm.base import Communicator, Context, Op, Pending
-from smddp.errors import BackendUnavailableError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
     from mpi4py import MPI
@@ -107,7 +108,12 @@ class MPICommunicator(Communicator):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
+        _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
         self.comm = MPI.COMM_WORLD.Dup()
+        # Users' point-to-point tags get a communicator of their own: they can never
+        # match the ring's messages.
+        self.p2p = MPI.COMM_WORLD.Dup()
+        self.max_tag = int(self.p2p.Get_attr(MPI.TAG_UB))
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         if (self.rank, self.size) != (ctx.topology.rank, ctx.topology.size):
@@ -188,9 +194,45 @@ class MPICommunicator(Communicator):
     def barrier(self, tag: int) -> Pending:
         return _Requests(iter([[self.comm.Ibarrier()]]))
 
+    # ---------------------------------------------------------------- point-to-point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        self._check_tag(tag)
+        return _Message(self.p2p.Isend(_buffer(tensor), dest=dst, tag=tag), dst)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Pending:
+        self._check_tag(tag)
+        source = MPI.ANY_SOURCE if src is None else src
+        return _Message(self.p2p.Irecv(_buffer(tensor), source=source, tag=tag), src)
+
+    def _check_tag(self, tag: int) -> None:
+        if not 0 <= tag <= self.max_tag:
+            raise InvalidArgumentError(f"tag={tag} is outside this MPI's tag range 0..{self.max_tag}")
+
     def close(self) -> None:
         if not MPI.Is_finalized():
             self.comm.Free()
+            self.p2p.Free()
+
+
+class _Message(Pending):
+    """One point-to-point message; ``source`` is the peer (known once a receive completes)."""
+
+    __slots__ = ("_request", "_status", "source")
+
+    def __init__(self, request, peer: Optional[int]):
+        self._request = request
+        self._status = MPI.Status()
+        self.source = peer
+
+    def test(self) -> bool:
+        if self._request is None:
+            return True
+        if not self._request.Test(self._status):
+            return False
+        self._request = None
+        if self.source is None:
+            self.source = self._status.Get_source()
+        return True
 
 
 def _displacements(counts: Sequence[int]) -> List[int]:
