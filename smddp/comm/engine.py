@@ -19,12 +19,16 @@ Every collective, whether it comes from smddp's own functions or from
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from smddp import _excepthook
+from smddp.comm import debug as _debug
+from smddp.comm import stall as _stall
 from smddp.comm.base import Communicator, Done, Op, Pending, Then
 from smddp.errors import (
     BackendUnavailableError,
@@ -38,6 +42,9 @@ from smddp.errors import (
 # finish within it, and a stalled peer does not cost a whole core for long.
 _HOT_POLLS = 4000
 _WARM_POLLS = 40000
+
+# How errors name an all-reduce started inside autograd's backward (DDP's gradient buckets).
+_BACKWARD_ALL_REDUCE = "all_reduce (during backward: DDP gradients)"
 
 
 class Handle:
@@ -94,13 +101,17 @@ class Handle:
         """
         deadline = self.deadline if timeout is None else time.monotonic() + timeout
         polls = 0
-        while not self.is_completed():
-            polls += 1
-            if polls > _HOT_POLLS:
-                if time.monotonic() > deadline:
-                    self._expire()
-                    break
-                time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+        try:
+            while not self.is_completed():
+                polls += 1
+                if polls > _HOT_POLLS:
+                    if time.monotonic() > deadline:
+                        self._expire()
+                        break
+                    time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+        except KeyboardInterrupt:
+            self._engine._interrupted(self.seq, self.op_name)
+            raise
         if self._error is not None:
             raise self._error
         return True
@@ -119,10 +130,13 @@ class Handle:
         callback(self)
 
     def _expire(self) -> None:
+        if self._done:
+            return
+        error = self._engine._timeout_error(self)  # asks the other ranks: not under the lock
         with self._lock:
             if self._done:
                 return
-            self._error = self._engine._fail(self._engine._timeout_error(self), self)
+            self._error = self._engine._fail(error, self)
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -136,9 +150,11 @@ class Engine:
         comms: device type (``"cpu"``, ``"cuda"``, ``"xpu"``) to communicator; the first is
             the job's primary backend.
         timeout: seconds a collective may take before :class:`CollectiveTimeout`.
+        store: the job's torch ``Store``; with it, a timed-out rank asks the others where
+            they are and names the ones that never arrived (:mod:`smddp.comm.stall`).
     """
 
-    def __init__(self, comms: Dict[str, Communicator], timeout: float):
+    def __init__(self, comms: Dict[str, Communicator], timeout: float, store=None):
         if not comms:
             raise ValueError("an engine needs at least one communicator")
         self.comms = dict(comms)
@@ -153,6 +169,21 @@ class Engine:
         self._watch_cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
+        self._by_device = dict(self.comms)
+        self._cpu_comm = self.comms.get("cpu")  # tensor.is_cpu is 10x cheaper than tensor.device.type
+        # What this rank is doing, for the ranks that time out waiting for it.
+        self._last = (0, "", 0.0)  # (seq, op_name, time.monotonic()) of the latest collective
+        self._done_seq = 0  # the latest synchronous collective that completed
+        self._last_handle: Optional[Handle] = None  # the latest asynchronous one
+        self._end_note: Optional[dict] = None  # set when the script ends
+        self._statuses: Optional[dict] = None  # the other ranks' answers, asked once
+        self._report_lock = threading.Lock()
+        #: SMDDP_DEBUG=1: compares every collective across ranks first; None (no cost) when off.
+        self._debug = _debug.Checker(self, self.comms.get("cpu", self.primary)) if _debug.enabled() else None
+        self._channel: Optional[_stall.StoreChannel] = None
+        if self.size > 1:
+            self._channel = self._open_channel(store)
+            _excepthook.watch(self)
 
     # ------------------------------------------------------------------ state
     @property
@@ -171,8 +202,10 @@ class Engine:
 
     def _fail(self, exc: BaseException, handle: Handle) -> BaseException:
         if not isinstance(exc, CollectiveError):
+            # A peer that died or left shows here first (gloo: "connection closed"): say where the others are.
+            report = self._stall_report(handle.seq, handle.op_name, stalled=False) if self._broken is None else ""
             wrapped = CollectiveError(
-                f"{handle.op_name} (sequence number {handle.seq}) failed on rank {self.rank}: {exc}"
+                f"{handle.op_name} (sequence number {handle.seq}) failed on rank {self.rank}: {exc}{report}"
             )
             wrapped.__cause__ = exc
             exc = wrapped
@@ -181,21 +214,97 @@ class Engine:
         return exc
 
     def _timeout_error(self, handle: Handle) -> CollectiveTimeout:
-        report = ""
-        stall = getattr(handle._pending, "stall_report", None) or getattr(self.primary, "stall_report", None)
-        if stall is not None:
-            try:
-                report = " " + stall(handle.seq)
-            except Exception as exc:  # noqa: BLE001 - the report is best effort
-                report = f" (could not ask the other ranks: {exc})"
+        return self._timeout(handle.seq, handle.op_name)
+
+    def _timeout(self, seq: int, op_name: str) -> CollectiveTimeout:
         return CollectiveTimeout(
-            f"{handle.op_name} (sequence number {handle.seq}) did not complete within "
-            f"{self.timeout:g} s on rank {self.rank} of {self.size}.{report} "
-            f"The job is now broken: further collectives fail at once."
+            f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on rank "
+            f"{self.rank} of {self.size}.{self._stall_report(seq, op_name)} "
+            f"The job is now broken: further collectives fail at once (SMDDP_TIMEOUT or "
+            f"init_process_group(timeout=...) sets the limit)."
         )
+
+    def _stalled(self, seq: int, op_name: str) -> CollectiveTimeout:
+        """The timeout error for ``seq``, the job marked broken by it."""
+        error = self._timeout(seq, op_name)
+        if self._broken is None:
+            self._broken = error
+        return error
+
+    def _interrupted(self, seq: int, op_name: str) -> None:
+        if self._broken is None:
+            self._broken = CollectiveError(
+                f"{op_name} (sequence number {seq}) was interrupted on rank {self.rank}; the ranks are "
+                f"no longer in step"
+            )
+
+    # ------------------------------------------------------------------ where every rank is
+    def _open_channel(self, store) -> Optional[_stall.StoreChannel]:
+        if store is None:
+            return None
+        try:
+            channel = _stall.StoreChannel(store, self.rank, self.size)
+            channel.serve(self.status)
+        except Exception as exc:  # noqa: BLE001 - a store without clone() or queues
+            print(f"smddp: rank {self.rank}: timeouts will not name the stalled ranks: {exc}", file=sys.stderr)
+            return None
+        return channel
+
+    def status(self) -> _stall.Status:
+        """Where this rank is: its latest collective, whether it finished, how long ago it started."""
+        seq, op_name, started = self._last
+        handle = self._last_handle
+        done = handle._done if handle is not None and handle.seq == seq else self._done_seq >= seq
+        state = "broken" if self._broken is not None else "running"
+        found = {"rank": self.rank, "seq": seq, "op": op_name, "done": bool(done), "state": state,
+                 "age": round(time.monotonic() - started, 3) if seq else 0.0}
+        if self._end_note is not None:
+            found.update(self._end_note)
+        return found
+
+    def _stall_report(self, seq: int, op_name: str, stalled: bool = True) -> str:
+        if self._channel is None:
+            return ""
+        with self._report_lock:
+            if self._statuses is None:
+                try:
+                    self._statuses = self._channel.query()
+                except Exception as exc:  # noqa: BLE001 - the report is best effort
+                    return f" (could not ask the other ranks where they are: {exc})"
+        text = _stall.describe(self._statuses, seq, op_name, stalled)
+        return " " + text if text else ""
+
+    def at_exit(self, failure: Optional[str] = None) -> None:
+        """The interpreter is exiting (called by :mod:`smddp._excepthook`).
+
+        A broken job ends at once (under MPI, every rank). Otherwise this rank leaves a note
+        for ranks that may still wait for it and, under MPI, waits (answering their
+        questions) until every rank has ended, as ``MPI_Finalize`` would.
+
+        Args:
+            failure: the uncaught exception that ends the script, if any.
+        """
+        if self._broken is not None:
+            print(f"smddp: rank {self.rank} is exiting with the job broken ({type(self._broken).__name__}); "
+                  f"ending the job now rather than waiting for a collective that will never complete",
+                  file=sys.stderr)
+            _excepthook.abort_job(1)
+        if self._closed or self._channel is None:
+            return
+        self._end_note = {"state": "failed", "error": failure} if failure else {"state": "exiting"}
+        self._channel.note_end(self.status())
+        if _excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(self.timeout):
+            print(f"smddp: rank {self.rank}: other ranks have not reached the end of their script within "
+                  f"{self.timeout:g} s", file=sys.stderr)
 
     # ------------------------------------------------------------------ helpers
     def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+            # The hot path (one tensor): a few attribute reads.
+            tensor = tensors[0]
+            comm = self._cpu_comm if tensor.is_cpu else self._by_device.get(tensor.device.type)
+            if comm is not None and tensors[0].dtype in comm.dtypes:
+                return comm
         device = tensors[0].device
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -217,13 +326,26 @@ class Engine:
             raise InvalidTypeError(f"dtype {dtype} is not supported by the {comm.name} backend; use one of: {names}")
         return comm
 
-    def _start(self, op_name: str, start: Callable[[int], Pending], async_op: bool, result=None) -> Handle:
+    def _start(
+        self, op_name: str, start: Callable[[int], Pending], async_op: bool, result=None, check=None
+    ) -> Optional[Handle]:
+        """Number and start a collective; wait for it here unless ``async_op``.
+
+        ``check`` (built only under ``SMDDP_DEBUG``) describes the call for
+        :meth:`smddp.comm.debug.Checker.check`, which compares it across ranks first.
+
+        Returns:
+            A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.
+        """
         # Ranks must start collectives in the same order: numbering and starting happen
         # together, under one lock, whichever thread calls.
         with self._start_lock:
             self._check_usable()
             self.seq += 1
             seq = self.seq
+            self._last = (seq, op_name, time.monotonic())
+            if check is not None:
+                self._debug.check(seq, op_name, *check)
             try:
                 pending = start(seq)
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
@@ -231,23 +353,54 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
                 handle = Handle(self, seq, op_name, Done(), result)
                 raise self._fail(exc, handle) from exc
-        handle = Handle(self, seq, op_name, pending, result)
-        if not async_op:
-            handle.wait()
-        return handle
+        if async_op:
+            handle = self._last_handle = Handle(self, seq, op_name, pending, result)
+            return handle
+        self._wait_inline(seq, op_name, pending)
+        self._done_seq = seq
+        return None
+
+    def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
+        """Wait for a synchronous collective in the caller's thread: no handle, no lock."""
+        started = time.monotonic()
+        polls = 0
+        try:
+            while not pending.test():
+                polls += 1
+                if polls > _HOT_POLLS:
+                    if time.monotonic() - started > self.timeout:
+                        handle = Handle(self, seq, op_name, pending)
+                        handle._expire()
+                        raise handle.exception()
+                    time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+        except CollectiveError:
+            raise
+        except KeyboardInterrupt:
+            self._interrupted(seq, op_name)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+            raise self._fail(exc, Handle(self, seq, op_name, Done())) from exc
 
     @staticmethod
     def _inplace(tensor: torch.Tensor):
         """A contiguous buffer for ``tensor`` and what to do once the operation is done."""
+        if tensor.is_contiguous():
+            # Communicators write through the data pointer (or c10d, outside autograd), so
+            # even a leaf that requires grad needs no detach().
+            return tensor, None
         target = tensor.detach()
-        if target.is_contiguous():
-            return target, None
         buf = target.contiguous()
         return buf, lambda: target.copy_(buf)
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: Op, async_op: bool = False) -> Handle:
-        """Reduce ``tensor`` over all ranks, in place."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Op, async_op: bool = False, backward: bool = False
+    ) -> Optional[Handle]:
+        """Reduce ``tensor`` over all ranks, in place.
+
+        ``backward``: the call comes from inside autograd's backward (DDP's gradient buckets);
+        errors then name the uneven-batches case.
+        """
         comm = self._comm_for(tensor)
         buf, after = self._inplace(tensor)
 
@@ -255,9 +408,10 @@ class Engine:
             pending = comm.all_reduce(buf, op, seq)
             return Then(pending, after) if after else pending
 
-        return self._start("all_reduce", start, async_op, [tensor])
+        check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
+        return self._start(_BACKWARD_ALL_REDUCE if backward else "all_reduce", start, async_op, [tensor], check)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Handle]:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         comm = self._comm_for(tensor)
         self._check_rank(src, "src")
@@ -267,9 +421,12 @@ class Engine:
             pending = comm.broadcast(buf, src, seq)
             return Then(pending, after) if after else pending
 
-        return self._start("broadcast", start, async_op, [tensor])
+        check = None if self._debug is None else ("broadcast", None, tensor, src)
+        return self._start("broadcast", start, async_op, [tensor], check)
 
-    def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather(
+        self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
+    ) -> Optional[Handle]:
         """Gather every rank's ``tensor`` into ``tensor_list`` (rank order)."""
         if not isinstance(tensor_list, (list, tuple)):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
@@ -293,10 +450,12 @@ class Engine:
 
         return self._start(
             "all_gather", lambda seq: Then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
-            async_op, [list(tensor_list)],
+            async_op, [list(tensor_list)], None if self._debug is None else ("all_gather", None, tensor),
         )
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Optional[Handle]:
         """Gather every rank's ``input`` into ``output`` (``size * input.numel()`` elements)."""
         comm = self._comm_for(output, input)
         if output.numel() != self.size * input.numel():
@@ -311,7 +470,8 @@ class Engine:
             pending = comm.all_gather(buf.view(-1), src.view(-1), seq)
             return Then(pending, after) if after else pending
 
-        return self._start("all_gather_into_tensor", start, async_op, [output])
+        check = None if self._debug is None else ("all_gather", None, input)
+        return self._start("all_gather_into_tensor", start, async_op, [output], check)
 
     def all_to_all_single(
         self,
@@ -320,7 +480,7 @@ class Engine:
         output_split_sizes: Optional[Sequence[int]] = None,
         input_split_sizes: Optional[Sequence[int]] = None,
         async_op: bool = False,
-    ) -> Handle:
+    ) -> Optional[Handle]:
         """Scatter slices of ``input`` (along dim 0) to all ranks, gather theirs into ``output``."""
         comm = self._comm_for(output, input)
         out_counts = self._split_counts(output, output_split_sizes, "output")
@@ -332,11 +492,13 @@ class Engine:
             pending = comm.all_to_all_single(buf.view(-1), src.view(-1), out_counts, in_counts, seq)
             return Then(pending, after) if after else pending
 
-        return self._start("all_to_all_single", start, async_op, [output])
+        check = None if self._debug is None else (
+            "all_to_all_single", None, input, None, False, (in_counts, out_counts))
+        return self._start("all_to_all_single", start, async_op, [output], check)
 
-    def barrier(self, async_op: bool = False) -> Handle:
+    def barrier(self, async_op: bool = False) -> Optional[Handle]:
         """Complete once every rank has entered the barrier."""
-        return self._start("barrier", self.primary.barrier, async_op, [])
+        return self._start("barrier", self.primary.barrier, async_op, [], None if self._debug is None else ("barrier",))
 
     # ------------------------------------------------------------------ validation
     def _check_rank(self, rank, what: str) -> None:
@@ -403,6 +565,16 @@ class Engine:
         with self._watch_cv:
             self._closed = True
             self._watch_cv.notify_all()
+        if self._channel is not None:
+            if self._broken is None:
+                self._end_note = {"state": "closed"}
+                try:
+                    self._channel.note_end(self.status())
+                except Exception:  # noqa: BLE001 - the store may already be gone
+                    pass
+            self._channel.close()
+        if self._broken is None:
+            _excepthook.forget(self)  # a broken engine still ends the job at exit
         closed = set()
         for comm in self.comms.values():
             if id(comm) not in closed:
