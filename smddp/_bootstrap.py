@@ -1,0 +1,140 @@
+"""The first code each process started by ``smddprun`` runs, before the user's script.
+
+``python -m smddp._bootstrap [-m module | script.py] [args]`` gives the process what
+SageMaker's runner gives it, then runs the program as ``python script.py args`` would:
+
+- ``SMDATAPARALLEL_LOCAL_RANK`` from the launcher's topology (Hugging Face reads it);
+- the ``smdistributed`` import alias (:mod:`smddp._alias`), unless
+  ``SMDDP_ALIAS_SMDISTRIBUTED=0``;
+- an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
+  instead of leaving the other ranks waiting in a collective, and a finalize that never returns;
+- when smddprun started the process itself (no mpirun), the process ends with smddprun.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import traceback
+from typing import List, Optional, Sequence, Tuple
+
+from smddp import _alias
+from smddp._topology import Topology, discover
+
+#: Set by smddprun's own launcher to its pid: the process follows smddprun's death.
+LAUNCHER_PID_ENV = "SMDDP_LAUNCHER_PID"
+#: ``0`` turns the smdistributed import alias off.
+ALIAS_ENV = "SMDDP_ALIAS_SMDISTRIBUTED"
+
+_USAGE = "usage: python -m smddp._bootstrap [-m module | script.py] [args ...]"
+
+
+def _split(argv: Sequence[str]) -> Tuple[Optional[str], Optional[str], List[str]]:
+    """``(script, module, args)`` from the command line; exactly one of script/module is set."""
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(_USAGE)
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit(_USAGE)
+        return None, argv[1], list(argv[2:])
+    return argv[0], None, list(argv[1:])
+
+
+def _topology() -> Topology:
+    try:
+        return discover(os.environ)
+    except ValueError as exc:
+        print(f"smddp: cannot read this process's rank ({exc}); assuming a world of one", file=sys.stderr)
+        return Topology()
+
+
+def _follow_launcher() -> None:
+    """End this process when smddprun's local launcher dies (Linux), so none is orphaned."""
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != pid:  # the launcher died before prctl took effect
+        os._exit(128 + int(signal.SIGTERM))
+
+
+def _abort_mpi_job(code: int) -> None:
+    """``MPI_Abort`` when this process uses MPI, so the other ranks end too; else nothing."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            mpi.COMM_WORLD.Abort(code)
+    except Exception:  # noqa: BLE001 - we are already failing; keep the first error
+        return
+
+
+def _user_traceback(exc: BaseException) -> None:
+    """Print ``exc`` without the frames of this module and runpy."""
+    tb = exc.__traceback__
+    hidden = {__file__, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in hidden:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+    sys.stderr.flush()
+
+
+def _run(script: Optional[str], module: Optional[str], args: List[str]) -> None:
+    if module is not None:
+        sys.argv = [module, *args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Prepare this process and run the user's program in it.
+
+    Args:
+        argv: ``[-m module | script.py] [args]``; defaults to ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: with the program's exit status.
+    """
+    script, module, args = _split(sys.argv[1:] if argv is None else argv)
+    _follow_launcher()
+    topo = _topology()
+    os.environ["SMDATAPARALLEL_LOCAL_RANK"] = str(topo.local_rank)
+    if os.environ.get(ALIAS_ENV, "1") != "0":
+        _alias.enable(note=topo.rank == 0)
+    try:
+        _run(script, module, args)
+    except SystemExit as exc:
+        code = exc.code
+        if code not in (None, 0):
+            _abort_mpi_job(code if isinstance(code, int) else 1)
+        raise
+    except KeyboardInterrupt as exc:
+        _user_traceback(exc)
+        _abort_mpi_job(128 + int(signal.SIGINT))
+        # Die of SIGINT, as Python does, so that callers see how the process ended.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise SystemExit(128 + int(signal.SIGINT)) from None
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the job
+        _user_traceback(exc)
+        _abort_mpi_job(1)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

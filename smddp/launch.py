@@ -1,0 +1,578 @@
+"""``smddprun``: start a data parallel job the way SageMaker's runner does, anywhere.
+
+``smddprun -np N [options] script.py [args]`` (or ``-m module``) runs ``mpirun`` with the
+defaults that SageMaker uses and that make sense off SageMaker: root allowed, output tagged
+with the rank, the whole job ended when one rank fails, oversubscription when N exceeds the
+cores, and the environment that distributed training reads forwarded to every rank.
+Without any ``mpirun`` it starts the N processes itself with torchrun's environment
+variables (the ``gloo`` backend), tags their output and ends them all when one fails.
+
+Every process starts in :mod:`smddp._bootstrap`, which sets ``SMDATAPARALLEL_LOCAL_RANK``
+and turns on the ``smdistributed`` import alias, so SageMaker scripts run unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from smddp._bootstrap import LAUNCHER_PID_ENV
+from smddp.errors import SMDDPError
+
+#: Variables forwarded to every rank by name (when set), besides the prefixes below.
+FORWARD_NAMES = (
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RDMAV_FORK_SAFE",
+)
+#: Prefixes of variables forwarded to every rank.
+FORWARD_PREFIXES = ("SMDDP_", "NCCL_", "FI_", "SM_")
+#: Set inside a batch system's allocation, whose hosts mpirun takes over.
+_ALLOCATIONS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+#: Seconds between asking the ranks to stop and killing them.
+STOP_GRACE_S = 3.0
+
+_EPILOG = """\
+examples:
+  smddprun -np 2 train.py --epochs 3        one host, 2 processes
+  smddprun -H node1:8,node2:8 train.py      2 hosts, 8 processes each (np defaults to 16)
+  smddprun -np 4 -x NCCL_DEBUG=INFO -m my_pkg.train
+  smddprun -np 2 --dry-run train.py         print the command, start nothing
+
+what each process gets:
+  SMDATAPARALLEL_LOCAL_RANK (as on SageMaker), MASTER_ADDR/MASTER_PORT (unless set), and the
+  smdistributed import alias: 'import smdistributed.dataparallel.torch.distributed' is smddp's
+  module, unless a real smdistributed is installed (then that one is used) or --no-alias.
+  On one host also OMP_NUM_THREADS = cores / N (unless set), as torchrun does.
+  Forwarded to every rank: SMDDP_*, NCCL_*, FI_*, SM_*, CUDA_VISIBLE_DEVICES, PYTHONPATH,
+  PATH, LD_LIBRARY_PATH, OMP_NUM_THREADS, and each -x.
+
+which mpirun:
+  $SMDDP_MPIRUN, else the one beside this Python (pip install 'smddp[mpi]' puts Open MPI
+  there), else mpirun or mpiexec on PATH (Open MPI, MPICH or Intel MPI). Without any, the
+  processes are started here with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...).
+"""
+
+
+class LaunchError(SMDDPError, RuntimeError):
+    """The job cannot be started as asked (no mpirun for several hosts, a missing hostfile)."""
+
+
+@dataclass
+class Options:
+    """What the command line asked for."""
+
+    nproc: Optional[int] = None
+    hosts: Optional[str] = None
+    hostfile: Optional[str] = None
+    exports: List[str] = field(default_factory=list)
+    mpi_args: List[str] = field(default_factory=list)
+    launcher: str = "auto"
+    python: str = sys.executable
+    alias: bool = True
+    dry_run: bool = False
+    program: List[str] = field(default_factory=list)  # [script, args...] or ["-m", module, args...]
+
+
+@dataclass(frozen=True)
+class MPI:
+    """An ``mpirun`` and the command-line dialect it speaks."""
+
+    path: str
+    flavor: str  # "openmpi" or "hydra" (MPICH, Intel MPI)
+    major: int = 0
+
+
+# ---------------------------------------------------------------- command line
+
+_VALUE_OPTIONS = {"-np", "-n", "--np", "--nproc", "--hostfile", "-H", "--host", "-x", "--mpi-args",
+                  "--launcher", "--python"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smddprun", allow_abbrev=False, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="smddprun [-np N] [--hostfile FILE | -H HOST:SLOTS,...] [-x VAR[=VAL]]... "
+              "[--mpi-args ARGS] [--dry-run] (script.py | -m module) [args ...]",
+        description="Run a PyTorch script on N processes with smddp, like SageMaker's smdistributed "
+                    "runner: under mpirun when one is installed, else as local processes.",
+    )
+    p.add_argument("-np", "-n", "--np", "--nproc", dest="nproc", type=int, metavar="N",
+                   help="number of processes (default: the hosts' slots, else SM_NUM_GPUS, "
+                        "else the CUDA GPUs here, else 1)")
+    p.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile ('host slots=N' lines)")
+    p.add_argument("-H", "--host", dest="hosts", metavar="HOST:SLOTS,...",
+                   help="hosts and their slots, e.g. node1:8,node2:8")
+    p.add_argument("-x", dest="exports", action="append", default=[], metavar="VAR[=VAL]",
+                   help="set (VAR=VAL) or forward (VAR) a variable for every rank; repeatable")
+    p.add_argument("--mpi-args", default="", metavar="ARGS",
+                   help='more mpirun arguments, one quoted string: --mpi-args "--bind-to none"')
+    p.add_argument("--launcher", choices=("auto", "mpirun", "local"), default="auto",
+                   help="auto: mpirun if found, else local processes (default)")
+    p.add_argument("--python", default=sys.executable, metavar="PATH",
+                   help="interpreter for the ranks (default: this one, %(default)s)")
+    p.add_argument("--no-alias", dest="alias", action="store_false",
+                   help="do not map 'import smdistributed.dataparallel...' to smddp")
+    p.add_argument("--dry-run", action="store_true", help="print the command(s), start nothing")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
+    p.add_argument("script", nargs="?", help="the training script")
+    return p
+
+
+def _split_program(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Separate smddprun's own options from the program and its arguments.
+
+    The program starts at the first word that is not an option or an option's value, at
+    ``-m MODULE``, or after ``--``; everything from there belongs to the program.
+    ``--mpi-args VALUE`` becomes ``--mpi-args=VALUE``: its value usually starts with a dash,
+    which argparse would take for an option.
+    """
+    own: List[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return own, list(argv[i + 1:])
+        if word == "-m":
+            return own + list(argv[i:i + 2]), list(argv[i + 2:])
+        if word == "--mpi-args" and i + 1 < len(argv):
+            own.append(f"--mpi-args={argv[i + 1]}")
+            i += 2
+        elif word in _VALUE_OPTIONS:
+            own += list(argv[i:i + 2])
+            i += 2
+        elif word.startswith("-"):
+            own.append(word)
+            i += 1
+        else:
+            return own + [word], list(argv[i + 1:])
+    return own, []
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """Read smddprun's command line.
+
+    Raises:
+        SystemExit: on ``--help`` or an invalid command line (argparse's exit status 2).
+    """
+    parser = _parser()
+    own, rest = _split_program(argv)
+    ns = parser.parse_args(own)
+    if ns.module and ns.script:
+        rest = [ns.script, *rest]
+    if ns.module:
+        program = ["-m", ns.module, *rest]
+    elif ns.script:
+        program = [ns.script, *rest]
+    elif rest:
+        program = rest
+    else:
+        parser.error("no program: give a script (smddprun -np 2 train.py) or -m module")
+    if ns.hosts and ns.hostfile:
+        parser.error("give --hostfile or -H, not both")
+    if ns.nproc is not None and ns.nproc < 1:
+        parser.error(f"-np must be at least 1, got {ns.nproc}")
+    for spec in ns.exports:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(=|$)", spec):
+            parser.error(f"-x {spec!r}: expected VAR or VAR=VALUE")
+    return Options(
+        nproc=ns.nproc, hosts=ns.hosts, hostfile=ns.hostfile, exports=list(ns.exports),
+        mpi_args=shlex.split(ns.mpi_args), launcher=ns.launcher, python=ns.python,
+        alias=ns.alias, dry_run=ns.dry_run, program=program,
+    )
+
+
+# ---------------------------------------------------------------- hosts and slots
+
+def _host_slots(opts: Options) -> List[Tuple[str, Optional[int]]]:
+    """``[(host, slots or None)]`` from ``-H`` or the hostfile; empty when neither was given."""
+    pairs: List[Tuple[str, Optional[int]]] = []
+    if opts.hosts:
+        for item in filter(None, (h.strip() for h in opts.hosts.split(","))):
+            host, _, slots = item.partition(":")
+            pairs.append((host, int(slots) if slots.isdigit() else 1))
+    elif opts.hostfile:
+        try:
+            with open(opts.hostfile) as handle:
+                lines = handle.read().splitlines()
+        except OSError as exc:
+            raise LaunchError(f"cannot read hostfile {opts.hostfile!r}: {exc.strerror}") from None
+        for line in lines:
+            words = line.split("#", 1)[0].split()
+            if words:
+                match = re.search(r"\bslots=(\d+)", " ".join(words[1:]))
+                pairs.append((words[0], int(match.group(1)) if match else None))
+    return pairs
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: what Open MPI counts as slots by default."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:
+        allowed = None
+    cores = set()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            blocks = handle.read().split("\n\n")
+    except OSError:
+        blocks = []
+    for block in blocks:
+        fields = dict(
+            (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines())
+        )
+        if "processor" not in fields:
+            continue
+        if allowed is not None and int(fields["processor"]) not in allowed:
+            continue
+        cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
+    return len(cores) or (len(allowed) if allowed else os.cpu_count() or 1)
+
+
+def default_nproc(slots: List[Tuple[str, Optional[int]]], env: Mapping[str, str]) -> int:
+    """Processes to start when ``-np`` is not given: the hosts' slots, SM_NUM_GPUS, the GPUs, or 1."""
+    if slots and all(n is not None for _, n in slots):
+        return sum(n for _, n in slots)
+    if env.get("SM_NUM_GPUS", "").isdigit() and int(env["SM_NUM_GPUS"]) > 0:
+        return int(env["SM_NUM_GPUS"])
+    try:
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    except ImportError:
+        return 1
+
+
+def _oversubscribed(nproc: int, slots: List[Tuple[str, Optional[int]]], env: Mapping[str, str]) -> bool:
+    if not slots:
+        return nproc > physical_cores() and not any(name in env for name in _ALLOCATIONS)
+    if all(n is not None for _, n in slots):
+        return nproc > sum(n for _, n in slots)
+    return False
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- finding mpirun
+
+def find_mpirun(env: Mapping[str, str]) -> Optional[str]:
+    """The ``mpirun`` to use: ``$SMDDP_MPIRUN``, the one beside this Python, then PATH."""
+    explicit = env.get("SMDDP_MPIRUN")
+    if explicit:
+        found = shutil.which(explicit, path=env.get("PATH"))
+        if found is None:
+            raise LaunchError(f"SMDDP_MPIRUN={explicit!r} is not an executable")
+        return found
+    scripts = sysconfig.get_path("scripts")
+    beside = os.path.join(scripts, "mpirun") if scripts else None
+    if beside and os.access(beside, os.X_OK):
+        return beside
+    path = env.get("PATH", "")
+    return shutil.which("mpirun", path=path) or shutil.which("mpiexec", path=path)
+
+
+def identify_mpi(path: str) -> MPI:
+    """Ask ``path --version`` which MPI it belongs to (Open MPI unless it says otherwise)."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    match = re.search(r"Open MPI\)?\s+(\d+)", out)
+    if match:
+        return MPI(path, "openmpi", int(match.group(1)))
+    if re.search(r"HYDRA|MPICH|Intel\(R\) MPI", out):
+        return MPI(path, "hydra")
+    return MPI(path, "openmpi")
+
+
+# ---------------------------------------------------------------- building commands
+
+def _rank_program(opts: Options) -> List[str]:
+    return [opts.python, "-m", "smddp._bootstrap", *opts.program]
+
+
+def single_host(opts: Options, env: Mapping[str, str]) -> bool:
+    """True when the job surely runs on this machine alone: no hosts given, no batch allocation."""
+    return not (opts.hosts or opts.hostfile or any(name in env for name in _ALLOCATIONS))
+
+
+def job_environment(opts: Options, env: Mapping[str, str], local: bool = False) -> Dict[str, str]:
+    """The environment every rank starts from: ``env`` plus ``-x`` values and smddp's settings.
+
+    Args:
+        opts: the command line.
+        env: smddprun's own environment.
+        local: smddprun starts the ranks itself; they meet at ``MASTER_ADDR=127.0.0.1`` and a
+            free ``MASTER_PORT``. Under mpirun the ranks meet over MPI and need neither.
+    """
+    out = dict(env)
+    for spec in opts.exports:
+        name, sep, value = spec.partition("=")
+        if sep:
+            out[name] = value
+    if local:
+        out["MASTER_ADDR"] = "127.0.0.1"
+        out.setdefault("MASTER_PORT", str(free_port()))
+    if local or single_host(opts, env):
+        # As torchrun does: N processes each with a thread per core would fight over the cores.
+        out.setdefault("OMP_NUM_THREADS", str(max(physical_cores() // (opts.nproc or 1), 1)))
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    if not opts.alias:
+        out["SMDDP_ALIAS_SMDISTRIBUTED"] = "0"
+    return out
+
+
+def _forwarded(opts: Options, env: Mapping[str, str]) -> List[str]:
+    names = [n for n in env if n in FORWARD_NAMES or n.startswith(FORWARD_PREFIXES)]
+    names += [spec.partition("=")[0] for spec in opts.exports]
+    return sorted(set(names))
+
+
+def mpirun_command(opts: Options, mpi: MPI, env: Mapping[str, str]) -> List[str]:
+    """The full ``mpirun`` command line for ``opts``; ``env`` is :func:`job_environment`'s."""
+    slots = _host_slots(opts)
+    nproc = opts.nproc or default_nproc(slots, env)
+    forwarded = _forwarded(opts, env)
+    if mpi.flavor == "hydra":
+        cmd = [mpi.path, "-n", str(nproc)]
+        if opts.hosts:
+            cmd += ["-hosts", opts.hosts]
+        if opts.hostfile:
+            cmd += ["-f", opts.hostfile]
+        cmd += ["-prepend-rank", "-genvlist", ",".join(forwarded)]
+    else:
+        cmd = [mpi.path, "-np", str(nproc)]
+        if opts.hosts:
+            cmd += ["--host", opts.hosts]
+        if opts.hostfile:
+            cmd += ["--hostfile", opts.hostfile]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd.append("--tag-output")
+        if _oversubscribed(nproc, slots, env):
+            cmd.append("--oversubscribe")
+        if mpi.major >= 5:
+            cmd += ["--prtemca", "state_base_error_non_zero_exit", "1"]
+        else:
+            cmd += ["--mca", "orte_abort_on_non_zero_status", "1"]
+        for name in forwarded:
+            cmd += ["-x", name]
+    return cmd + opts.mpi_args + _rank_program(opts)
+
+
+def local_commands(opts: Options, env: Mapping[str, str]) -> List[Tuple[List[str], Dict[str, str]]]:
+    """``[(command, environment)]`` of each rank when smddprun starts the processes itself."""
+    nproc = opts.nproc or default_nproc([], env)
+    commands = []
+    for rank in range(nproc):
+        rank_env = dict(env)
+        rank_env.update(
+            RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0", SMDATAPARALLEL_LOCAL_RANK=str(rank),
+        )
+        rank_env[LAUNCHER_PID_ENV] = str(os.getpid())
+        commands.append((_rank_program(opts), rank_env))
+    return commands
+
+
+def _env_prefix(env: Mapping[str, str], base: Mapping[str, str]) -> List[str]:
+    """``NAME=value`` words for the variables ``env`` sets or changes relative to ``base``."""
+    return [f"{k}={v}" for k, v in env.items() if base.get(k) != v]
+
+
+# ---------------------------------------------------------------- running without mpirun
+
+def _pump(pipe: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
+    """Copy ``pipe`` to ``sink`` line by line, each line tagged with ``prefix``."""
+    try:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with lock:
+                sink.write(prefix + line)
+                sink.flush()
+    except (OSError, ValueError):
+        pass  # our own output is gone (a closed pipe): nothing left to copy to
+    finally:
+        pipe.close()
+
+
+def _signal_group(procs: Sequence[subprocess.Popen], sig: int, everyone: bool = False) -> None:
+    """Send ``sig`` to the process group of every rank still running.
+
+    With ``everyone``, also to the groups of ranks that have exited: what they started
+    (data loader workers, helpers) may still run there.
+    """
+    for proc in procs:
+        if everyone or proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _exit_status(returncode: int) -> int:
+    """A shell-style status: negative (killed by a signal) becomes 128 + signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class LocalJob:
+    """N ranks started here, supervised together: one fails or a signal comes, all stop.
+
+    Each rank runs in its own session, so a terminal's Ctrl-C reaches smddprun only, which
+    forwards it; ranks also end if smddprun itself dies (``SMDDP_LAUNCHER_PID``).
+    """
+
+    def __init__(self, commands: Sequence[Tuple[List[str], Dict[str, str]]], grace: float = STOP_GRACE_S):
+        self.commands = list(commands)
+        self.grace = grace
+        self.procs: List[subprocess.Popen] = []
+        self.received: Optional[int] = None
+        self._kill_at: Optional[float] = None
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.received is not None:  # a second Ctrl-C: stop waiting
+            _signal_group(self.procs, signal.SIGKILL)
+        self.received = signum
+        _signal_group(self.procs, signum, everyone=True)
+        self._kill_at = self._kill_at or time.monotonic() + self.grace
+
+    def _start(self, out: BinaryIO, err: BinaryIO) -> List[threading.Thread]:
+        lock = threading.Lock()
+        for cmd, env in self.commands:
+            if self.received is not None:
+                break
+            self.procs.append(subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True,
+            ))
+        pumps = []
+        for rank, proc in enumerate(self.procs):
+            for pipe, sink, tag in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr")):
+                thread = threading.Thread(
+                    target=_pump, args=(pipe, sink, f"[1,{rank}]<{tag}>: ".encode(), lock), daemon=True,
+                )
+                thread.start()
+                pumps.append(thread)
+        return pumps
+
+    def _supervise(self) -> int:
+        failed: Optional[Tuple[int, int]] = None
+        killed = False
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            if all(code is not None for code in codes):
+                break
+            if failed is None and self.received is None:
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0):
+                        failed = (rank, _exit_status(code))
+                        print(f"smddprun: rank {rank} exited with status {failed[1]}; stopping the other ranks",
+                              file=sys.stderr, flush=True)
+                        _signal_group(self.procs, signal.SIGTERM, everyone=True)
+                        self._kill_at = time.monotonic() + self.grace
+                        break
+            if not killed and self._kill_at is not None and time.monotonic() >= self._kill_at:
+                _signal_group(self.procs, signal.SIGKILL, everyone=True)
+                killed = True
+            time.sleep(0.05)
+        if self._kill_at is not None and not killed:
+            _signal_group(self.procs, signal.SIGKILL, everyone=True)  # whatever the ranks left behind
+        if self.received is not None:
+            return 128 + self.received
+        if failed is not None:
+            return failed[1]
+        return 0
+
+    def run(self, out: Optional[BinaryIO] = None, err: Optional[BinaryIO] = None) -> int:
+        """Start every rank, copy their output, wait; returns the job's exit status."""
+        stops = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+        previous = {s: signal.signal(s, self._on_signal) for s in stops}
+        try:
+            pumps = self._start(out or sys.stdout.buffer, err or sys.stderr.buffer)
+            status = self._supervise()
+            for thread in pumps:
+                thread.join(timeout=2.0)
+            return status
+        finally:
+            _signal_group(self.procs, signal.SIGKILL)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------- main
+
+def _choose_mpi(opts: Options, env: Mapping[str, str]) -> Optional[MPI]:
+    if opts.launcher == "local":
+        return None
+    path = find_mpirun(env)
+    if path is None:
+        if opts.launcher == "mpirun":
+            raise LaunchError("no mpirun found: pip install 'smddp[mpi]', or set SMDDP_MPIRUN")
+        return None
+    return identify_mpi(path)
+
+
+def _run_local(opts: Options, env: Dict[str, str], explicit: bool) -> int:
+    if opts.hosts or opts.hostfile:
+        raise LaunchError("starting processes on other hosts needs mpirun: pip install 'smddp[mpi]'")
+    commands = local_commands(opts, env)
+    why = "" if explicit else "no mpirun found; "
+    print(f"smddprun: {why}starting {len(commands)} local processes without MPI "
+          f"(torchrun-style environment, gloo backend)", file=sys.stderr, flush=True)
+    if opts.mpi_args:
+        print("smddprun: --mpi-args ignored without mpirun", file=sys.stderr, flush=True)
+    if opts.dry_run:
+        for cmd, rank_env in commands:
+            rank_env.pop(LAUNCHER_PID_ENV)  # the lines run by hand have no launcher to follow
+            print(shlex.join(_env_prefix(rank_env, os.environ) + cmd))
+        return 0
+    return LocalJob(commands).run()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``smddprun`` and ``python -m smddp.launch``.
+
+    Under mpirun this process becomes ``mpirun`` (``exec``), so signals and the exit status
+    are mpirun's own. Returns the job's exit status otherwise.
+    """
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if opts.nproc is None:
+            opts.nproc = default_nproc(_host_slots(opts), os.environ)
+        mpi = _choose_mpi(opts, os.environ)
+        env = job_environment(opts, os.environ, local=mpi is None)
+        if mpi is None:
+            return _run_local(opts, env, explicit=opts.launcher == "local")
+        cmd = mpirun_command(opts, mpi, env)
+    except LaunchError as exc:
+        print(f"smddprun: error: {exc}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print(shlex.join(_env_prefix(env, os.environ) + cmd))
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""smddprun end to end: real mpirun, real processes, SageMaker's script with its imports unchanged.
+
+Failure and Ctrl-C tests record every pid a job starts (ranks and a grandchild each) and
+check that none is left running afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+from launchers import MPIRUN, ROOT, SCRIPTS, base_env, run
+
+from smddp import _alias, launch
+
+_SCRIPT_SMDDPRUN = Path(sysconfig.get_path("scripts")) / "smddprun"
+# The installed console script when there is one, so its entry point is exercised too.
+SMDDPRUN = [str(_SCRIPT_SMDDPRUN)] if _SCRIPT_SMDDPRUN.exists() else [sys.executable, "-m", "smddp.launch"]
+PY_LAUNCH = [sys.executable, "-m", "smddp.launch"]
+EXAMPLES = ROOT / "examples"
+HOLD = str(SCRIPTS / "launch_hold.py")
+PROBE = str(SCRIPTS / "launch_probe.py")
+
+
+def tagged(stdout: str, word: str) -> dict:
+    """``{rank: rest}`` from ``[1,<rank>]<stdout>: WORD <rank> rest`` lines; the two ranks must agree."""
+    found = {}
+    for tag, rank, rest in re.findall(rf"^\[\d+,(\d+)\]<stdout>: {word} (\d+) (.*)$", stdout, re.M):
+        assert tag == rank, f"output of rank {rank} tagged as rank {tag}"
+        found[int(rank)] = rest
+    return found
+
+
+def state_dict_sha256(path: Path) -> str:
+    """The examples' ``weights_sha256``, computed here from the saved checkpoint."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in torch.load(path, map_location="cpu").items():
+        digest.update(name.encode())
+        digest.update(bytes(tensor.detach().cpu().clone().untyped_storage()))
+    return digest.hexdigest()
+
+
+def assert_trained_in_sync(result, size: int, model_dir: Path) -> None:
+    result.check()
+    weights = tagged(result.stdout, "WEIGHTS")
+    assert sorted(weights) == list(range(size)), result.output
+    assert len(set(weights.values())) == 1, f"ranks ended with different weights: {weights}"
+    assert state_dict_sha256(model_dir / "model.pt") == weights[0], "the checkpoint is not the trained model"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has ended
+
+
+def recorded_pids(piddir: Path) -> list:
+    return [int(p) for f in piddir.iterdir() for p in f.name.split(".")[1:]]
+
+
+def assert_none_left(piddir: Path, ranks: int) -> None:
+    """Every rank and grandchild recorded in ``piddir`` has ended (waits up to 15 s for the kills to land)."""
+    pids = recorded_pids(piddir)
+    assert len(pids) == 2 * ranks, f"expected {ranks} ranks with a grandchild each, got pids {pids}"
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"
+
+
+# ------------------------------------------------------------------ command line, no processes
+
+def test_help_documents_every_option():
+    result = run([*PY_LAUNCH, "--help"], timeout=30).check()
+    for option in ("-np", "--hostfile", "-H", "-x VAR[=VAL]", "--mpi-args", "-m MODULE", "--dry-run",
+                   "--launcher", "--no-alias", "SMDATAPARALLEL_LOCAL_RANK", "SMDDP_MPIRUN"):
+        assert option in result.stdout, option
+
+
+@pytest.mark.parametrize("argv, program", [
+    (["-np", "2", "train.py", "-np", "5", "--dry-run"], ["train.py", "-np", "5", "--dry-run"]),
+    (["-x", "A=1", "-m", "pkg.train", "--lr", "1"], ["-m", "pkg.train", "--lr", "1"]),
+    (["--dry-run", "--", "train.py", "-x"], ["train.py", "-x"]),
+    (["--mpi-args", "--verbose", "train.py"], ["train.py"]),
+])
+def test_program_and_its_arguments_are_kept_apart(argv, program):
+    assert launch.parse_args(argv).program == program
+
+
+def test_mpi_args_may_start_with_a_dash():
+    assert launch.parse_args(["--mpi-args", "--verbose", "t.py"]).mpi_args == ["--verbose"]
+    assert launch.parse_args(["--mpi-args", "--bind-to none -v", "t.py"]).mpi_args == ["--bind-to", "none", "-v"]
+
+
+def test_dry_run_shows_the_openmpi_command(tmp_path):
+    if MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    result = run([*PY_LAUNCH, "-np", "3", "--dry-run", "-x", "FOO=1", "-x", "NCCL_DEBUG",
+                  "--mpi-args", "--bind-to none", "missing_train.py", "--epochs", "1"],
+                 timeout=30, env={"SMDDP_MPIRUN": MPIRUN, "NCCL_DEBUG": "INFO", "SMDDP_X": "1"}).check()
+    cmd = result.stdout.strip()
+    assert "MASTER_ADDR" not in cmd  # under mpirun the ranks meet over MPI
+    words = cmd.split()
+    mpirun_at = next(i for i, w in enumerate(words) if w.endswith(("mpirun", "mpiexec")))
+    assert words[mpirun_at + 1:mpirun_at + 3] == ["-np", "3"]
+    assert "--tag-output" in words
+    assert ("--allow-run-as-root" in words) == (os.geteuid() == 0)
+    assert ("--oversubscribe" in words) == (3 > launch.physical_cores())
+    assert words[0] == "FOO=1", cmd  # set here, forwarded by name below
+    for name in ("FOO", "NCCL_DEBUG", "SMDDP_X", "PYTHONPATH", "OMP_NUM_THREADS"):
+        assert f"-x {name} " in cmd, name
+    assert cmd.endswith(f"--bind-to none {sys.executable} -m smddp._bootstrap missing_train.py --epochs 1"), cmd
+    assert "Traceback" not in result.stderr  # nothing ran
+
+
+def test_dry_run_speaks_mpich_to_hydra(tmp_path):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    fake.chmod(0o755)
+    result = run([*PY_LAUNCH, "-np", "4", "-H", "a:2,b:2", "--dry-run", "-x", "FOO=1", "train.py"],
+                 timeout=30, env={"SMDDP_MPIRUN": str(fake)}).check()
+    words = result.stdout.split()
+    assert words[0] == "FOO=1" and words[1] == str(fake), result.stdout  # nothing else set across hosts
+    assert words[2:6] == ["-n", "4", "-hosts", "a:2,b:2"]
+    assert "-prepend-rank" in words and "FOO" in words[words.index("-genvlist") + 1].split(",")
+
+
+def test_dry_run_of_local_processes():
+    result = run([*PY_LAUNCH, "--launcher", "local", "-np", "2", "--dry-run", "train.py", "--lr", "1"],
+                 timeout=30).check()
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        for assignment in (f"RANK={rank}", "WORLD_SIZE=2", f"LOCAL_RANK={rank}", "LOCAL_WORLD_SIZE=2",
+                           "MASTER_ADDR=127.0.0.1", f"SMDATAPARALLEL_LOCAL_RANK={rank}"):
+            assert f" {assignment} " in f" {line} ", (assignment, line)
+        assert line.endswith("-m smddp._bootstrap train.py --lr 1")
+    assert "local processes" in result.stderr
+
+
+def test_clear_errors_instead_of_a_start(tmp_path):
+    missing = run([*PY_LAUNCH, "--launcher", "mpirun", "-np", "2", "train.py"], timeout=30,
+                  env={"SMDDP_MPIRUN": str(tmp_path / "no-mpirun")})
+    assert missing.returncode == 2 and "SMDDP_MPIRUN" in missing.stderr, missing.output
+    remote = run([*PY_LAUNCH, "--launcher", "local", "-H", "a:1,b:1", "train.py"], timeout=30)
+    assert remote.returncode == 2 and "needs mpirun" in remote.stderr, remote.output
+    no_program = run([*PY_LAUNCH, "-np", "2"], timeout=30)
+    assert no_program.returncode == 2 and "no program" in no_program.stderr, no_program.output
+
+
+# ------------------------------------------------------------------ the import alias
+
+def test_alias_is_smddp_itself_and_can_be_turned_off():
+    import smddp.torch.distributed as smddp_dist
+
+    assert _alias.enable()
+    try:
+        import smdistributed.dataparallel.torch.distributed as sm_dist
+
+        assert sm_dist is smddp_dist
+        assert smddp_dist.__spec__.name == "smddp.torch.distributed"
+    finally:
+        _alias.disable()
+    assert "smdistributed" not in sys.modules
+    with pytest.raises(ImportError):
+        import smdistributed  # noqa: F401
+
+
+def _fake_smdistributed(root: Path, with_dataparallel: bool) -> Path:
+    pkg = root / "smdistributed"
+    (pkg / "modelparallel").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("REAL = 'fake install'\n")
+    (pkg / "modelparallel" / "__init__.py").write_text("")
+    if with_dataparallel:
+        torch_dir = pkg / "dataparallel" / "torch"
+        torch_dir.mkdir(parents=True)
+        for init in (pkg / "dataparallel", torch_dir):
+            (init / "__init__.py").write_text("")
+        (torch_dir / "distributed.py").write_text("WHO = 'the real smdistributed'\n")
+    return root
+
+
+def test_a_real_smdistributed_is_not_shadowed(tmp_path):
+    fake = _fake_smdistributed(tmp_path / "site", with_dataparallel=True)
+    script = tmp_path / "which.py"
+    script.write_text("import smdistributed.dataparallel.torch.distributed as d\nprint('WHICH', d.WHO)\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+    result = run([*PY_LAUNCH, "--launcher", "local", "-np", "2", str(script)], timeout=60, env=env).check()
+    assert result.stdout.count("WHICH the real smdistributed") == 2, result.output
+    notes = [line for line in result.stderr.splitlines() if "real smdistributed.dataparallel is installed" in line]
+    assert len(notes) == 1 and str(fake) in notes[0], result.stderr
+
+
+def test_alias_fills_in_beside_smdistributed_modelparallel(tmp_path):
+    """``python -m smddp.alias``, the opt-in outside smddprun, next to an install without dataparallel."""
+    fake = _fake_smdistributed(tmp_path / "site", with_dataparallel=False)
+    script = tmp_path / "mixed.py"
+    script.write_text(
+        "import smdistributed, smdistributed.modelparallel\n"
+        "import smdistributed.dataparallel.torch.distributed as d\n"
+        "import smddp.torch.distributed as s\n"
+        "print('MIXED', smdistributed.REAL, d is s)\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+    result = run([sys.executable, "-m", "smddp.alias", str(script)], timeout=60, env=env).check()
+    assert "MIXED fake install True" in result.stdout, result.output
+
+
+# ------------------------------------------------------------------ real jobs
+
+@pytest.mark.mpi
+def test_every_rank_gets_its_environment_and_the_alias():
+    result = run([*SMDDPRUN, "-np", "2", PROBE, "-np", "5", "--dry-run"], timeout=120).check()
+    probes = {rank: json.loads(rest) for rank, rest in tagged(result.stdout, "PROBE").items()}
+    assert sorted(probes) == [0, 1], result.output
+    assert sorted(p["local_rank"] for p in probes.values()) == [0, 1]
+    for report in probes.values():
+        assert report["launcher"] == "openmpi" and report["size"] == 2
+        assert report["SMDATAPARALLEL_LOCAL_RANK"] == str(report["local_rank"])
+        assert report["argv"] == ["-np", "5", "--dry-run"] and report["argv0"] == PROBE
+        assert report["same_distributed"] and report["same_ddp"]
+        assert report["spec_name"] == "smddp.torch.distributed"
+
+
+@pytest.mark.mpi
+def test_unmodified_sagemaker_script_trains_on_2_ranks(tmp_path):
+    result = run([*SMDDPRUN, "-np", "2", str(EXAMPLES / "train_smdistributed.py"), "--samples", "512",
+                  "--model-dir", str(tmp_path)], timeout=240)
+    assert_trained_in_sync(result, 2, tmp_path)
+    assert result.stdout.count("Test set:") == 2 and "[1,1]<stdout>: Test set" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_unmodified_sagemaker_script_trains_on_3_ranks(tmp_path):
+    result = run([*PY_LAUNCH, "-np", "3", str(EXAMPLES / "train_smdistributed.py"), "--samples", "192",
+                  "--epochs", "1", "--model-dir", str(tmp_path)], timeout=240)
+    assert_trained_in_sync(result, 3, tmp_path)
+
+
+def test_without_mpirun_smddprun_starts_the_ranks_itself(tmp_path):
+    """A virtual environment without Open MPI and a PATH without mpirun: the local fallback."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=60)
+    path = os.pathsep.join([str(venv / "bin"), "/usr/bin", "/bin"])
+    if shutil.which("mpirun", path=path) or shutil.which("mpiexec", path=path):
+        pytest.skip("this machine has an mpirun in /usr/bin")
+    model_dir = tmp_path / "model"
+    result = run([str(venv / "bin" / "python"), "-m", "smddp.launch", "-np", "2", str(EXAMPLES / "train_v2.py"),
+                  "--samples", "512", "--model-dir", str(model_dir)], timeout=240, env={"PATH": path})
+    assert "no mpirun found" in result.stderr, result.output
+    assert_trained_in_sync(result, 2, model_dir)
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])
+def test_a_failing_rank_ends_the_whole_job(tmp_path, launcher):
+    ranks = 3
+    start = time.monotonic()
+    result = run([*PY_LAUNCH, "--launcher", launcher, "-np", str(ranks), HOLD, str(tmp_path), "1"], timeout=60)
+    assert result.returncode != 0, result.output
+    assert "RuntimeError: rank 1 fails on purpose" in result.stderr, result.output
+    assert "smddp/_bootstrap.py" not in result.stderr  # the traceback shows the user's frames only
+    assert_none_left(tmp_path, ranks)
+    print(f"{launcher}: job ended {time.monotonic() - start:.1f} s after start")
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])
+def test_ctrl_c_leaves_no_process(tmp_path, launcher):
+    ranks = 2
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    proc = subprocess.Popen([*PY_LAUNCH, "--launcher", launcher, "-np", str(ranks), HOLD, str(piddir), "-1"],
+                            env=base_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(piddir.iterdir())) < ranks and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(piddir.iterdir())) == ranks, "the ranks did not start"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0, out + err
+    assert_none_left(piddir, ranks)
