@@ -138,12 +138,13 @@ def discover(
             _int(env, "GROUP_RANK") or r // local_size, master_addr, master_port, "torchrun",
         )
     elif "OMPI_COMM_WORLD_RANK" in env:
+        # OMPI_COMM_WORLD_NODE_RANK is a rank among a node's processes, not the node's index:
+        # the index is derived, exact for the usual by-slot placement.
         r = _int(env, "OMPI_COMM_WORLD_RANK")
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
-        node = _int(env, "OMPI_COMM_WORLD_NODE_RANK")
         topo = Topology(
             r, _int(env, "OMPI_COMM_WORLD_SIZE") or 1, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
-            local_size, r // local_size if node is None else node, master_addr, master_port, "openmpi",
+            local_size, r // local_size, master_addr, master_port, "openmpi",
         )
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
         r = _int(env, "PMI_RANK")

@@ -7,6 +7,7 @@ process group of the launcher is killed and the test fails with the output so fa
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,7 @@ class Result:
     def output(self) -> str:
         return self.stdout + self.stderr
 
-    def check(self) -> "Result":
+    def check(self) -> Result:
         assert self.returncode == 0, f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
         return self
 
@@ -101,10 +102,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:\s?")
+
+
 def rank_lines(output: str, prefix: str) -> dict:
     """``{rank: rest}`` from lines ``PREFIX <rank> <rest>`` printed by each rank."""
     found = {}
     for line in output.splitlines():
+        line = _TAG.sub("", line)  # mpirun --tag-output / smddprun: "[1,0]<stdout>: "
         parts = line.split(None, 2)
         if len(parts) >= 2 and parts[0].endswith(prefix):
             found[int(parts[1])] = parts[2] if len(parts) > 2 else ""

@@ -127,3 +127,15 @@ def test_error_hierarchy():
 def test_v2_style_under_plain_mpirun():
     result = mpirun(2, ["tests/scripts/v2_style.py"], timeout=120).check()
     assert rank_lines(result.stdout, "V2_OK") == {0: "2", 1: "2"}
+
+
+def test_v2_style_as_plain_python():
+    """torch.distributed.init_process_group(backend="smddp") with no launcher: a world of one."""
+    script = (
+        "import torch, smddp.torch.torch_smddp, torch.distributed as d\n"
+        "d.init_process_group(backend='smddp')\n"
+        "t = torch.full((2,), 3.0); d.all_reduce(t)\n"
+        "print('PLAIN_V2', d.get_rank(), d.get_world_size(), t.tolist())\n"
+    )
+    result = python(["-c", script]).check()
+    assert "PLAIN_V2 0 1 [3.0, 3.0]" in result.stdout

@@ -245,7 +245,8 @@ def check_bad_input() -> None:
     expect_error(ValueError, lambda: dist.all_gather([torch.ones(3)] * size, t), "shape")
     expect_error(TypeError, lambda: dist.all_gather(torch.ones(4), t), "list")
     out = torch.empty(size * 2)
-    expect_error(ValueError, lambda: dist.all_to_all_single(out, torch.ones(size * 2), [2] * size, [1] * size), "add up")
+    ones = torch.ones(size * 2)
+    expect_error(ValueError, lambda: dist.all_to_all_single(out, ones, [2] * size, [1] * size), "add up")
     expect_error(ValueError, lambda: dist.all_to_all_single(out, torch.ones(size * 2), [2] * (size + 1)), "split")
     expect_error(ValueError, lambda: dist.all_to_all_single(torch.empty(size * 2 + 1), torch.ones(size * 2 + 1)),
                  "divisible")
