@@ -21,7 +21,11 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MPIRUN = shutil.which("mpirun")
 
 # Open MPI refuses root without these; the test machines run as root.
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
 
 
 @dataclass

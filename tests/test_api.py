@@ -9,8 +9,9 @@ import torch
 
 import smddp
 import smddp.torch.distributed as dist
-from launchers import mpirun, python, rank_lines
 from smddp import comm
+
+from launchers import mpirun, python, rank_lines
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
                  "SLURM_PROCID", "SM_HOSTS", "SMDDP_BACKEND", "MASTER_ADDR", "MASTER_PORT")
