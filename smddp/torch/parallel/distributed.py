@@ -1,83 +1,138 @@
 """smddp's ``DistributedDataParallel``: torch's DDP bound to smddp's process group.
 
-torch's reducer (bucketing, overlap with backward, ``no_sync``) does the work; smddp
-gives it the signature and defaults of smdistributed's DDP and its own process group.
+torch's reducer (bucketing, overlap with backward, ``no_sync``) does the work; smddp gives
+it the signature and defaults of smdistributed's DDP and its own process group, whose
+all-reduces are non-blocking and complete on the engine's progress thread, so a bucket is
+reduced while backward computes the next one.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any, List, Optional
 
 import torch
+import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from smddp.errors import InvalidGroupError, NotInitializedError
 from smddp.torch import distributed as _dist
 from smddp.torch import process_group as _pg
 
+__all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
+
+#: ``bucket_cap_mb=None`` means this many megabytes, as in smdistributed.
 DEFAULT_BUCKET_CAP_MB = 25
+
+# torch 2.13 split ``broadcast_buffers`` into a deprecated flag and ``forward_sync_buffers``.
 _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(_TorchDDP.__init__).parameters
+
+
+def _smddp_group():
+    pg = _pg.current()
+    if pg is None:
+        raise NotInitializedError(
+            "DistributedDataParallel needs smddp initialized: call "
+            "smddp.torch.distributed.init_process_group() before wrapping the model"
+        )
+    return pg
+
+
+def _check_process_group(process_group, pg) -> None:
+    if process_group is None or process_group is _dist.group.WORLD or process_group is pg:
+        return
+    if process_group is getattr(tdist.GroupMember, "WORLD", None):  # torch's default group is smddp's
+        return
+    raise InvalidGroupError(
+        f"process_group={process_group!r} is not supported: smddp's DistributedDataParallel runs on "
+        f"every process of the job; pass None or smddp.torch.distributed.group.WORLD"
+    )
 
 
 class DistributedDataParallel(_TorchDDP):
     """smddp's implementation of distributed data parallelism for PyTorch.
 
     In most cases, wrapping your PyTorch Module with smddp's ``DistributedDataParallel``
-    is all you need to do. Creation of this class requires smddp already initialized with
-    :func:`smddp.torch.distributed.init_process_group`.
+    (DDP) is all you need to do to use smddp. Creation of this DDP class requires smddp
+    already initialized with :func:`smddp.torch.distributed.init_process_group`.
 
-    The module is replicated on each process; rank 0's parameters and buffers are
-    broadcast at construction so every replica starts identical. During the backwards
-    pass, gradients from each process are averaged, bucket by bucket, while backward
-    continues. ``no_sync()`` skips the reduction for gradient accumulation.
+    This container parallelizes the application of the given module by splitting the input
+    across the specified devices by chunking in the batch dimension. The module is
+    replicated on each machine and each device, and each such replica handles a portion of
+    the input. Rank 0's parameters and buffers are broadcast at construction, so every
+    replica starts identical. During the backwards pass, gradients from each node are
+    averaged, bucket by bucket, while backward continues. The batch size should be larger
+    than the number of GPUs used locally.
+
+    It is ``torch.nn.parallel.DistributedDataParallel`` bound to smddp's process group:
+    ``.module``, ``no_sync()``, ``join()``, communication hooks and ``state_dict()`` (keys
+    prefixed ``module.``) behave as in torch, so checkpoints load in either.
+
+    Example::
+
+        import torch
+        import smddp.torch.distributed as dist
+        from smddp.torch.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dist.get_local_rank())
+        model = ...
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3 * dist.get_world_size())
+        model = DDP(model)
 
     Args:
         module (torch.nn.Module): PyTorch NN Module to be parallelized.
-        device_ids (list[int], optional): CUDA devices, only for a module on a single
-            CUDA device; ``None`` or empty for CPU and multi-device modules.
-        output_device (int, optional): device of the output for single-device CUDA
-            modules (default ``device_ids[0]``).
-        broadcast_buffers (bool): sync (broadcast from rank 0) the module's buffers at the
-            beginning of each forward. Defaults to ``True`` (smdistributed ignored it;
-            smddp does it).
-        process_group: only ``None`` or ``group.WORLD`` is supported.
-        bucket_cap_mb (int, optional): bucket size in megabytes for gradient reduction
-            (default 25).
-        **kwargs: other arguments of ``torch.nn.parallel.DistributedDataParallel``
-            (``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, ...).
+        device_ids (list[int], optional): CUDA devices. This should only be provided when
+            the input module resides on a single CUDA device. For multi-device modules and
+            CPU modules, ``device_ids`` must be ``None`` or an empty list. Defaults to ``None``.
+        output_device (int, optional): device location of output for single-device CUDA
+            modules (default ``device_ids[0]``). For multi-device modules and CPU modules it
+            must be ``None``.
+        broadcast_buffers (bool): flag that enables syncing (broadcasting) buffers of the
+            module from rank 0 at the beginning of the forward function. Defaults to
+            ``True``. smdistributed did not support it; smddp does. With ``False`` buffers
+            (such as BatchNorm running statistics) stay rank-local after construction.
+        process_group: process groups are not supported; the parameter exists for API
+            parity with torch. Only ``None`` or ``smddp.torch.distributed.group.WORLD``.
+        bucket_cap_mb (int, optional): DistributedDataParallel buckets parameters so that
+            the gradient reduction of each bucket can overlap with backward computation;
+            ``bucket_cap_mb`` is the bucket size in megabytes (MB). Defaults to 25.
+        **kwargs: other arguments of ``torch.nn.parallel.DistributedDataParallel``, passed
+            through: ``find_unused_parameters``, ``gradient_as_bucket_view``,
+            ``static_graph``, ``dim``, ...
 
     Raises:
-        NotInitializedError: smddp is not initialized.
-        InvalidGroupError: ``process_group`` is not ``None`` or ``group.WORLD``.
+        NotInitializedError: smddp is not initialized (a ``RuntimeError``).
+        InvalidGroupError: ``process_group`` is not ``None`` or ``group.WORLD`` (a ``ValueError``).
+
+    Notes:
+        - All parameters must be registered in the model by the time it is wrapped, in the
+          same order on every process; do not add or remove parameters afterwards.
+        - Gradients are reduced following the reverse order of the registered parameters.
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
-        device_ids=None,
-        output_device=None,
-        broadcast_buffers=True,
+        device_ids: Optional[List[int]] = None,
+        output_device: Optional[Any] = None,
+        broadcast_buffers: bool = True,
         process_group=None,
-        bucket_cap_mb=None,
-        **kwargs,
+        bucket_cap_mb: Optional[float] = None,
+        **kwargs: Any,
     ):
-        pg = _pg.current()
-        if pg is None:
-            raise NotInitializedError(
-                "DistributedDataParallel needs smddp initialized: call "
-                "smddp.torch.distributed.init_process_group() before wrapping the model"
-            )
-        if process_group is not None and process_group is not _dist.group.WORLD and process_group is not pg:
-            raise InvalidGroupError(
-                f"process_group={process_group!r} is not supported; pass None or "
-                f"smddp.torch.distributed.group.WORLD"
-            )
-        if _HAS_FORWARD_SYNC:
-            # torch >= 2.13 renamed the flag; rank 0's buffers are broadcast at init either way.
-            if not broadcast_buffers:
-                kwargs.setdefault("forward_sync_buffers", False)
+        pg = _smddp_group()
+        _check_process_group(process_group, pg)
+        sync_buffers_now = False
+        if "forward_sync_buffers" in kwargs:
+            pass  # the caller speaks torch 2.13's dialect: take it as given
+        elif _HAS_FORWARD_SYNC:
+            # Buffers are broadcast at construction either way; then in every forward, or not.
+            kwargs["forward_sync_buffers"] = bool(broadcast_buffers)
         else:
-            kwargs["broadcast_buffers"] = broadcast_buffers
+            kwargs["broadcast_buffers"] = bool(broadcast_buffers)
+            sync_buffers_now = not broadcast_buffers
         super().__init__(
             module,
             device_ids=device_ids,
@@ -86,3 +141,7 @@ class DistributedDataParallel(_TorchDDP):
             bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
             **kwargs,
         )
+        if sync_buffers_now:
+            # Older torch skips buffers at construction when broadcast_buffers is False.
+            for buffer in self.module.buffers():
+                tdist.broadcast(buffer.data, 0, group=pg)

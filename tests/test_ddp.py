@@ -1,0 +1,95 @@
+"""smddp's DistributedDataParallel under real launchers, and the main example.
+
+``scripts/ddp_checks.py`` runs every DDP check in one job per world size (exact gradients
+against single-process training, small buckets, different starting weights, ``no_sync``,
+buffers, ``state_dict``, errors); each rank prints ``OK <rank> <check>``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from launchers import ROOT, SCRIPTS, mpirun, python, rank_lines, torchrun
+
+CHECKS = {
+    "before_init", "api", "errors", "exact", "exact_small_buckets_different_start", "exact_passthrough",
+    "no_sync", "buffers_broadcast", "buffers_local", "state_dict",
+}
+EXAMPLE = str(ROOT / "examples" / "train.py")
+
+
+def passed_checks(output: str) -> dict:
+    found: dict = {}
+    for rank, name in re.findall(r"^OK (\d+) (\S+)$", output, flags=re.M):
+        found.setdefault(int(rank), set()).add(name)
+    return found
+
+
+def assert_all_checks(result, np: int, backend: str) -> None:
+    result.check()
+    found = passed_checks(result.stdout)
+    for rank in range(np):
+        missing = CHECKS - found.get(rank, set())
+        assert not missing, f"rank {rank} did not pass {sorted(missing)}\n{result.output}"
+    assert rank_lines(result.stdout, "DONE") == {r: backend for r in range(np)}, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_ddp_mpirun(np):
+    assert_all_checks(mpirun(np, [str(SCRIPTS / "ddp_checks.py")], timeout=240), np, "mpi")
+
+
+def test_ddp_torchrun_gloo():
+    assert_all_checks(torchrun(2, [str(SCRIPTS / "ddp_checks.py")], timeout=240), 2, "gloo")
+
+
+# --------------------------------------------------------------------------- the example
+def epoch_losses(output: str) -> list:
+    return [float(x) for x in re.findall(r"^EPOCH \d+ loss (\S+)", output, flags=re.M)]
+
+
+def assert_trained(result, np: int, epochs: int, model_dir: Path) -> None:
+    result.check()
+    losses = epoch_losses(result.stdout)
+    assert len(losses) == epochs, result.output  # printed by rank 0 only
+    assert losses[-1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
+    weights = rank_lines(result.stdout, "WEIGHTS")
+    assert sorted(weights) == list(range(np)), result.output
+    assert len(set(weights.values())) == 1, f"ranks ended with different weights: {weights}"
+    assert result.stdout.count("Saved ") == 1, result.output  # rank 0 alone saves
+    state = torch.load(model_dir / "model.pt", weights_only=True)
+    assert "fc2.weight" in state, list(state)
+
+
+@pytest.mark.mpi
+def test_example_mpirun(tmp_path):
+    result = mpirun(2, [EXAMPLE, "--epochs", "3", "--model-dir", str(tmp_path)], timeout=180)
+    assert_trained(result, 2, 3, tmp_path)
+    assert "backend mpi" in result.stdout
+
+
+def test_example_torchrun_gloo(tmp_path):
+    result = torchrun(2, [EXAMPLE, "--epochs", "3", "--model-dir", str(tmp_path)], timeout=180)
+    assert_trained(result, 2, 3, tmp_path)
+    assert "backend gloo" in result.stdout
+
+
+def test_example_single_process_with_data_dir(tmp_path):
+    """A plain ``python train.py`` on a SageMaker-style channel holding ``train.pt``."""
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, 10, (600,), generator=gen)
+    patterns = torch.randn(10, 1, 28, 28, generator=gen)
+    images = patterns[labels] + torch.randn(600, 1, 28, 28, generator=gen)
+    data_dir = tmp_path / "training"
+    data_dir.mkdir()
+    torch.save({"images": images, "labels": labels}, data_dir / "train.pt")
+    model_dir = tmp_path / "model"
+    result = python([EXAMPLE, "--epochs", "3", "--model-dir", str(model_dir)], timeout=120,
+                    env={"SM_CHANNEL_TRAINING": str(data_dir)})
+    assert_trained(result, 1, 3, model_dir)
+    assert "1 process(es), backend local" in result.stdout and "600 images" in result.stdout, result.stdout
