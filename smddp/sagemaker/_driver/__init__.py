@@ -1,0 +1,1 @@
+"""Container-side drivers that smddp.sagemaker ships into SageMaker training jobs (not imported here)."""
