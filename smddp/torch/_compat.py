@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import torch
 import torch.distributed as tdist
 
 #: torch's Work base class that a Python subclass may extend (``wait``, ``get_future``).
@@ -31,3 +32,62 @@ def default_timeout():
     from torch.distributed import constants
 
     return constants.default_pg_timeout
+
+
+# ---------------------------------------------------------------------------- native backends
+def backend_type(name: str):
+    """torch's ``ProcessGroup.BackendType`` member called ``name`` (``"GLOO"``, ``"NCCL"``, ...)."""
+    return getattr(tdist.ProcessGroup.BackendType, name)
+
+
+def register_device_backend(pg, device_type: str, backend_type_name: str, backend) -> None:
+    """Make ``backend`` serve ``device_type`` tensors of ``pg`` in torch's C++ dispatch."""
+    pg._register_backend(torch.device(device_type), backend_type(backend_type_name), backend)
+
+
+def gloo_backend(store, rank: int, size: int, timeout, group_name: str, lazy: bool = True):
+    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
+
+    Devices follow ``GLOO_SOCKET_IFNAME`` as torch's own gloo groups do.
+    """
+    import os
+
+    gloo = tdist.ProcessGroupGloo
+    backend = None
+    if lazy:
+        try:
+            interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+            options = gloo._Options()
+            options._devices = (
+                [gloo.create_device(interface=i, lazy_init=True) for i in interfaces]
+                or [gloo.create_default_device(lazy_init=True)]
+            )
+            options._timeout = timeout
+            options._threads = 2
+            backend = gloo(store, rank, size, options)
+        except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
+            backend = None
+    if backend is None:
+        backend = gloo(store, rank, size, timeout=timeout)
+    backend.options.group_name = group_name
+    backend.options.global_ranks_in_group = list(range(size))
+    return backend
+
+
+def nccl_backend(store, rank: int, size: int, timeout, group_name: str):
+    """A ``ProcessGroupNCCL`` (its communicator is created on first use)."""
+    options = tdist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    options.group_name = group_name
+    options.global_ranks_in_group = list(range(size))
+    return tdist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def xccl_backend(store, rank: int, size: int, timeout, group_name: str):
+    """A ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds)."""
+    options = tdist.ProcessGroupXCCL.Options()
+    options._timeout = timeout
+    options.group_name = group_name
+    options.global_ranks_in_group = list(range(size))
+    return tdist.ProcessGroupXCCL(store, rank, size, options)

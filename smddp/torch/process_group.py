@@ -18,10 +18,11 @@ import torch.distributed as tdist
 
 from smddp import comm
 from smddp._topology import Topology, discover
+from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
-from smddp.errors import InvalidArgumentError, InvalidGroupError
-from smddp.torch import _compat
+from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidGroupError
+from smddp.torch import _compat, _native
 
 BACKEND_NAME = "smddp"
 
@@ -99,6 +100,9 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         super().__init__(rank, size)
         self.engine = engine
         self._group_name = ""
+        #: Device type to the seconds its torch-native backend took to create (see _native).
+        self.native_backends = {}
+
 
     # torch asks these of every group
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -141,6 +145,111 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def barrier(self, opts=None):
         return Work(self.engine.barrier(async_op=True), [])
+
+    # the rest of torch's ProcessGroup, built in smddp.comm.derived
+    all_gather_single = _allgather_base  # torch >= 2.13 calls it by this name
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return Work(derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts)), [output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        output = _single(output_tensors, "reduce_scatter")
+        inputs = _single(input_tensors, "reduce_scatter")
+        return Work(derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts)), [output])
+
+    def reduce(self, tensors, opts=None):
+        tensor = _single(tensors, "reduce")
+        return Work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor])
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        tensor = _single(input_tensors, "gather")
+        outputs = _single(output_tensors, "gather") if output_tensors else []
+        root = opts.rootRank if opts is not None else 0
+        return Work(derived.gather(self.engine, outputs, tensor, root), [list(outputs)])
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        tensor = _single(output_tensors, "scatter")
+        inputs = _single(input_tensors, "scatter") if input_tensors else []
+        root = opts.rootRank if opts is not None else 0
+        return Work(derived.scatter(self.engine, tensor, inputs, root), [tensor])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return Work(derived.all_to_all(self.engine, output_tensors, input_tensors), list(output_tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _reduce_op(opts)
+        joined = derived.each(lambda t: self.engine.all_reduce(t, op, async_op=True), tensors)
+        return Work(joined, list(tensors))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), output_lists, input_tensors)
+        return Work(joined, list(output_lists))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        joined = derived.each(
+            lambda out, t: self.engine.all_gather_into_tensor(out, t, async_op=True), outputs, inputs)
+        return Work(joined, list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _reduce_op(opts)
+        joined = derived.each(lambda out, t: derived.reduce_scatter_tensor(self.engine, out, t, op), outputs, inputs)
+        return Work(joined, list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # point-to-point: the communicator's own, else the device's torch-native backend
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
+        tensor = _single(tensors, "send")
+        try:
+            return Work(derived.send(self.engine, tensor, dstRank, tag), [tensor])
+        except BackendUnavailableError:
+            return self._native(tensor, "send").send(tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
+        tensor = _single(tensors, "recv")
+        try:
+            handle, source = derived.recv(self.engine, tensor, srcRank, tag)
+        except BackendUnavailableError:
+            return self._native(tensor, "recv").recv(tensors, srcRank, tag)
+        return _RecvWork(handle, [tensor], source)
+
+    def recv_anysource(self, tensors, tag=0):
+        tensor = _single(tensors, "recv")
+        try:
+            handle, source = derived.recv(self.engine, tensor, None, tag)
+        except BackendUnavailableError:
+            return self._native(tensor, "recv").recv_anysource(tensors, tag)
+        return _RecvWork(handle, [tensor], source)
+
+    def _native(self, tensor: torch.Tensor, what: str):
+        try:
+            return self._get_backend(tensor.device)
+        except RuntimeError:
+            raise BackendUnavailableError(
+                f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "
+                f"{tensor.device.type} tensors point-to-point here"
+            ) from None
+
+
+class _RecvWork(Work):
+    """A receive's Work: ``_source_rank()`` tells torch who sent (``recv(src=None)``)."""
+
+    def __init__(self, handle, result, source):
+        super().__init__(handle, result)
+        self._source = source
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._source()
+
+
+def _reduce_op(opts) -> Op:
+    return torch_op(opts.reduceOp if opts is not None else tdist.ReduceOp.SUM)
+
 
 
 # ---------------------------------------------------------------------------- creation
@@ -196,6 +305,10 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
     name = comm.choose_backend(_requested_backend, os.environ, topology, comm.probe())
     communicators = comm.create_communicators(name, Context(topology, timeout, options.store))
     group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds()), rank, size)
+    group_name = getattr(options, "group_id", "") or ""
+    group._set_group_name(group_name)
+    # torch's functional collectives (FSDP2 state dicts, DTensor) need a native backend per device.
+    group.native_backends = _native.attach(group, options.store, rank, size, timeout, group_name)
     _current = group
     return group
 

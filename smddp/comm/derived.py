@@ -1,0 +1,353 @@
+"""Collectives built from the engine's five: reduce-scatter, reduce, gather, scatter, lists, p2p.
+
+torch's ``ProcessGroup`` has more methods than a communicator implements. Each one here is
+one engine collective (numbered, checked and timed like the others) followed, where needed,
+by a local step on completion:
+
+- ``reduce_scatter_tensor``: ``all_to_all_single`` brings every rank's slice ``r`` to rank
+  ``r``, which reduces the slices in rank order. Every element is reduced exactly once, on
+  one rank, in the same order whatever the backend: deterministic, and the bytes moved equal
+  a ring reduce-scatter's. Half-precision slices are accumulated in float32.
+- ``reduce``: an ``all_reduce`` (every rank gets the result; torch leaves non-root tensors
+  unspecified).
+- ``gather`` / ``scatter``: ``all_to_all_single`` with nothing sent to (from) ranks other than
+  the root.
+- list forms (``all_to_all`` of lists, ``reduce_scatter`` of a list) pack into one flat
+  buffer; the coalesced forms start one collective per tensor and complete together.
+- ``send`` / ``recv``: the communicator's own point-to-point, where it has one. They involve
+  two ranks, so they take no sequence number: the collectives' numbering stays in step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from smddp.comm.base import Op, Pending, Then
+from smddp.comm.engine import Engine, Handle
+from smddp.errors import InvalidArgumentError, InvalidTypeError
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check(engine: Engine, *fields):
+    """The ``SMDDP_DEBUG`` description of a call, or None (no cost) when the checks are off."""
+    return fields if getattr(engine, "_debug", None) is not None else None
+
+
+def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], result, check=None) -> Handle:
+    if check is None:
+        return engine._start(op_name, start, True, result)
+    return engine._start(op_name, start, True, result, check=check)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1)
+
+
+def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
+    """Reduce the rows of ``rows`` (``size x n``) in row order into ``out`` (``n`` elements).
+
+    Args:
+        rows: one row per rank, rank order.
+        op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
+        out: where the result goes (any shape with ``n`` elements).
+    """
+    acc = rows[0].to(torch.float32 if rows.dtype in _HALF else rows.dtype, copy=True)
+    for row in rows[1:]:
+        if op in (Op.SUM, Op.AVERAGE):
+            acc.add_(row)
+        elif op is Op.MIN:
+            torch.minimum(acc, row, out=acc)
+        elif op is Op.MAX:
+            torch.maximum(acc, row, out=acc)
+        else:
+            acc.mul_(row)
+    if op is Op.AVERAGE:
+        if acc.is_floating_point() or acc.is_complex():
+            acc.div_(rows.shape[0])
+        else:
+            acc.div_(rows.shape[0], rounding_mode="trunc")
+    out.detach().copy_(acc.view(out.shape))
+
+
+# ---------------------------------------------------------------------------- reductions
+def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op) -> Handle:
+    """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
+
+    Raises:
+        InvalidArgumentError: the sizes do not match.
+        InvalidTypeError: different dtypes or devices, or a dtype the backend refuses.
+    """
+    comm = engine._comm_for(output, input)
+    n = output.numel()
+    if input.numel() != engine.size * n:
+        raise InvalidArgumentError(
+            f"reduce_scatter_tensor: input has {input.numel()} elements; it needs {engine.size} x {n} "
+            f"(world size x output elements)"
+        )
+    src = _flat(input)
+    rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
+    counts = [n] * engine.size
+
+    def start(seq: int) -> Pending:
+        return Then(comm.all_to_all_single(rows.view(-1), src, counts, counts, seq),
+                    lambda: reduce_rows(rows, op, output))
+
+    check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
+    return _start(engine, "reduce_scatter_tensor", start, [output], check)
+
+
+def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op) -> Handle:
+    """Reduce the lists over ranks; rank ``r`` gets the reduction of every rank's ``input_list[r]``.
+
+    Raises:
+        InvalidArgumentError: not one input per rank, or sizes that differ from ``output``'s.
+    """
+    inputs = _tensor_list(input_list, "input_list")
+    if len(inputs) != engine.size:
+        raise InvalidArgumentError(
+            f"reduce_scatter: input_list has {len(inputs)} tensors; it needs one per rank ({engine.size})"
+        )
+    for i, t in enumerate(inputs):
+        if t.numel() != output.numel():
+            raise InvalidArgumentError(
+                f"reduce_scatter: input_list[{i}] has shape {tuple(t.shape)}, the output has "
+                f"{tuple(output.shape)}: every input must have the output's number of elements"
+            )
+    engine._comm_for(output, *inputs)
+    return reduce_scatter_tensor(engine, output, torch.cat([_flat(t) for t in inputs]), op)
+
+
+def reduce(engine: Engine, tensor: torch.Tensor, op: Op) -> Handle:
+    """Reduce ``tensor`` over ranks; the root (and, here, every rank) gets the result."""
+    return engine.all_reduce(tensor, op, async_op=True)
+
+
+# ---------------------------------------------------------------------------- rooted
+def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: torch.Tensor, dst: int) -> Handle:
+    """Every rank's ``input`` into ``outputs`` (rank order) on rank ``dst``.
+
+    Args:
+        outputs: one tensor per rank on ``dst``; ignored (may be None or empty) elsewhere.
+
+    Raises:
+        InvalidArgumentError: ``dst`` is not a rank, or ``outputs`` does not fit.
+    """
+    engine._check_rank(dst, "dst")
+    n = input.numel()
+    root = engine.rank == dst
+    outs = _tensor_list(outputs, "gather_list") if root else []
+    if root:
+        _check_per_rank(engine, outs, n, "gather", "gather_list", "input")
+    comm = engine._comm_for(input, *outs)
+    src = _flat(input)
+    buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
+    send = [n if r == dst else 0 for r in range(engine.size)]
+    receive = [n] * engine.size if root else [0] * engine.size
+
+    def unpack() -> None:
+        for r, out in enumerate(outs):
+            out.detach().copy_(buf[r * n:(r + 1) * n].view(out.shape))
+
+    def start(seq: int) -> Pending:
+        return Then(comm.all_to_all_single(buf, src, receive, send, seq), unpack)
+
+    check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
+    return _start(engine, "gather", start, [list(outs)], check)
+
+
+def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Handle:
+    """Rank ``src``'s ``inputs[r]`` into rank ``r``'s ``output``.
+
+    Args:
+        inputs: one tensor per rank on ``src``; ignored (may be None or empty) elsewhere.
+
+    Raises:
+        InvalidArgumentError: ``src`` is not a rank, or ``inputs`` does not fit.
+    """
+    engine._check_rank(src, "src")
+    n = output.numel()
+    root = engine.rank == src
+    ins = _tensor_list(inputs, "scatter_list") if root else []
+    if root:
+        _check_per_rank(engine, ins, n, "scatter", "scatter_list", "output")
+    comm = engine._comm_for(output, *ins)
+    packed = torch.cat([_flat(t) for t in ins]) if root else output.new_empty(0)
+    buf, after = engine._inplace(output)
+    send = [n] * engine.size if root else [0] * engine.size
+    receive = [n if r == src else 0 for r in range(engine.size)]
+
+    def start(seq: int) -> Pending:
+        pending = comm.all_to_all_single(buf.view(-1), packed, receive, send, seq)
+        return Then(pending, after) if after else pending
+
+    check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
+    return _start(engine, "scatter", start, [output], check)
+
+
+def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+    """Send ``inputs[r]`` to rank ``r``; receive rank ``r``'s into ``outputs[r]`` (sizes may differ).
+
+    Raises:
+        InvalidArgumentError: not one tensor per rank in each list.
+    """
+    outs = _tensor_list(outputs, "output_tensor_list")
+    ins = _tensor_list(inputs, "input_tensor_list")
+    for name, tensors in (("output_tensor_list", outs), ("input_tensor_list", ins)):
+        if len(tensors) != engine.size:
+            raise InvalidArgumentError(
+                f"all_to_all: {name} has {len(tensors)} tensors; it needs one per rank ({engine.size})"
+            )
+    comm = engine._comm_for(*outs, *ins)
+    send = [t.numel() for t in ins]
+    receive = [t.numel() for t in outs]
+    packed = torch.cat([_flat(t) for t in ins])
+    buf = packed.new_empty(sum(receive))
+
+    def unpack() -> None:
+        offset = 0
+        for out, count in zip(outs, receive):
+            out.detach().copy_(buf[offset:offset + count].view(out.shape))
+            offset += count
+
+    def start(seq: int) -> Pending:
+        return Then(comm.all_to_all_single(buf, packed, receive, send, seq), unpack)
+
+    check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
+    return _start(engine, "all_to_all", start, [list(outs)], check)
+
+
+# ---------------------------------------------------------------------------- several at once
+class Joined:
+    """Several handles as one: done when all are, failed with the first error.
+
+    It has what :class:`~smddp.torch.process_group.Work` asks of a handle.
+    """
+
+    def __init__(self, handles: Sequence[Handle], result=None):
+        self._handles = list(handles)
+        self.result = result
+        self._lock = threading.Lock()
+        self._left = len(self._handles)
+        self._callbacks: List[Callable[[Joined], None]] = []
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        for handle in self._handles:
+            handle.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self._handles)
+
+    def exception(self) -> Optional[BaseException]:
+        for handle in self._handles:
+            error = handle.exception()
+            if error is not None:
+                return error
+        return None
+
+    def add_done_callback(self, callback: Callable[[Joined], None]) -> None:
+        if not self._handles:
+            callback(self)
+            return
+        with self._lock:
+            first = not self._callbacks
+            self._callbacks.append(callback)
+        if first:
+            for handle in self._handles:
+                handle.add_done_callback(self._one_done)
+
+    def _one_done(self, _handle: Handle) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+def each(start_one: Callable, *lists: Sequence, result=None) -> Joined:
+    """Start ``start_one(*items)`` for each position of ``lists``; one :class:`Joined` for all.
+
+    Raises:
+        InvalidArgumentError: the lists have different lengths.
+    """
+    lengths = {len(items) for items in lists}
+    if len(lengths) > 1:
+        raise InvalidArgumentError(f"coalesced collective: the tensor lists have different lengths {sorted(lengths)}")
+    return Joined([start_one(*items) for items in zip(*lists)], result)
+
+
+# ---------------------------------------------------------------------------- point-to-point
+def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+    """Send ``tensor`` to rank ``dst``.
+
+    Raises:
+        InvalidArgumentError: ``dst`` is not another rank, or a negative tag.
+        BackendUnavailableError: the tensor's communicator has no point-to-point.
+    """
+    _check_peer(engine, dst, "dst", tag)
+    engine._check_usable()
+    comm = engine._comm_for(tensor)
+    src = tensor.detach().contiguous()
+    return _p2p(engine, f"send to rank {dst} (tag {tag})", comm.send(src, dst, tag), [tensor])
+
+
+def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
+    """Receive into ``tensor`` from rank ``src`` (None: any rank).
+
+    Returns:
+        The handle, and a function that returns the sender's rank once the handle is complete.
+
+    Raises:
+        InvalidArgumentError: ``src`` is not another rank, or a negative tag.
+        BackendUnavailableError: the tensor's communicator has no point-to-point.
+    """
+    if src is not None:
+        _check_peer(engine, src, "src", tag)
+    elif isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise InvalidArgumentError(f"tag must be a non-negative int, got {tag!r}")
+    engine._check_usable()
+    comm = engine._comm_for(tensor)
+    buf, after = engine._inplace(tensor)
+    pending = comm.recv(buf, src, tag)
+    peer = "any rank" if src is None else f"rank {src}"
+    handle = _p2p(engine, f"recv from {peer} (tag {tag})", Then(pending, after) if after else pending, [tensor])
+    return handle, lambda: pending.source
+
+
+def _p2p(engine: Engine, op_name: str, pending: Pending, result) -> Handle:
+    # A message involves two ranks: it is named by the latest collective, never numbered.
+    return Handle(engine, engine.seq, op_name, pending, result)
+
+
+def _check_peer(engine: Engine, peer, what: str, tag) -> None:
+    engine._check_rank(peer, what)
+    if peer == engine.rank:
+        raise InvalidArgumentError(f"{what}={peer} is this rank: a rank cannot send to or receive from itself")
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise InvalidArgumentError(f"tag must be a non-negative int, got {tag!r}")
+
+
+# ---------------------------------------------------------------------------- checks
+def _tensor_list(tensors, what: str) -> List[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise InvalidTypeError(f"{what} must be a list of tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return list(tensors)
+
+
+def _check_per_rank(engine: Engine, tensors: List[torch.Tensor], n: int, op: str, what: str, other: str) -> None:
+    if len(tensors) != engine.size:
+        raise InvalidArgumentError(f"{op}: {what} has {len(tensors)} tensors; it needs one per rank ({engine.size})")
+    for i, t in enumerate(tensors):
+        if t.numel() != n:
+            raise InvalidArgumentError(
+                f"{op}: {what}[{i}] has {t.numel()} elements; the {other} has {n}: they must match"
+            )

@@ -1,0 +1,76 @@
+"""The torch-native backends an smddp group carries for torch's functional collectives.
+
+torch's functional collectives (``torch.distributed._functional_collectives``, used by
+DTensor, FSDP2's state dicts, ``torch.compile``) run as C++ operators: they find the group by
+name and ask it for the backend of the tensor's device. For the collectives a Python group
+cannot override in C++ (``all_gather_single``, ``reduce_scatter_single``, ``reduce``,
+``gather``, ``scatter``, ``alltoall``) that backend must be a torch-native one. So the smddp
+group registers, for each device type torch can serve here, torch's own backend created
+from the job's store: gloo for CPU, NCCL for CUDA, XCCL for XPU.
+
+Direct calls (``torch.distributed.*``, DDP's reducer, FSDP2's own collectives) still call the
+group's Python methods and run on smddp's communicator; see ``docs/fsdp.md``.
+
+Cost: gloo connects its peers on first use (lazy init, where torch has it) and NCCL/XCCL
+create their communicators on first use, so a job that never runs a functional collective
+pays about a millisecond at ``init_process_group()`` and no connections.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from smddp.torch import _compat
+
+
+def _devices() -> List[Tuple[str, str, Callable]]:
+    """(device type, torch backend type, factory) for each device torch can serve here."""
+    found = []
+    if tdist.is_gloo_available():
+        found.append(("cpu", "GLOO", _compat.gloo_backend))
+    if torch.cuda.is_available() and tdist.is_nccl_available():
+        found.append(("cuda", "NCCL", _compat.nccl_backend))
+    xpu = getattr(torch, "xpu", None)
+    is_xccl = getattr(tdist, "is_xccl_available", None)
+    if xpu is not None and xpu.is_available() and is_xccl is not None and is_xccl():
+        found.append(("xpu", "XCCL", _compat.xccl_backend))
+    return found
+
+
+def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, group_name: str) -> Dict[str, float]:
+    """Register a torch-native backend on ``group`` for every device type available here.
+
+    A backend that cannot be created is skipped with a warning that names the device and the
+    reason: the job still runs, but functional collectives on that device will not.
+
+    Args:
+        group: the smddp process group.
+        store: the group's store (each backend uses its own key prefix in it).
+        rank: this process's rank in the group.
+        size: the group's size.
+        timeout: the group's timeout (a ``datetime.timedelta``).
+        group_name: the group's name, as torch registered it.
+
+    Returns:
+        ``{device type: seconds its backend took to create}`` for the backends registered.
+    """
+    costs: Dict[str, float] = {}
+    for device, kind, factory in _devices():
+        started = time.perf_counter()
+        try:
+            backend = factory(tdist.PrefixStore(f"smddp/native/{device}/", store), rank, size, timeout, group_name)
+            _compat.register_device_backend(group, device, kind, backend)
+        except Exception as exc:  # noqa: BLE001 - the job runs without it; say what is lost
+            warnings.warn(
+                f"smddp: could not create torch's {kind.lower()} backend for {device} tensors ({exc}); "
+                f"torch's functional collectives (FSDP2 state dicts, DTensor) will not work on {device} tensors",
+                RuntimeWarning, stacklevel=2,
+            )
+            continue
+        costs[device] = time.perf_counter() - started
+    return costs
