@@ -103,7 +103,6 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         #: Device type to the seconds its torch-native backend took to create (see _native).
         self.native_backends = {}
 
-
     # torch asks these of every group
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -249,7 +248,6 @@ class _RecvWork(Work):
 
 def _reduce_op(opts) -> Op:
     return torch_op(opts.reduceOp if opts is not None else tdist.ReduceOp.SUM)
-
 
 
 # ---------------------------------------------------------------------------- creation
