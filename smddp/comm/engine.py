@@ -172,7 +172,8 @@ class Engine:
         self._by_device = dict(self.comms)
         self._cpu_comm = self.comms.get("cpu")  # tensor.is_cpu is 10x cheaper than tensor.device.type
         # What this rank is doing, for the ranks that time out waiting for it.
-        self._last = (0, "", 0.0)  # (seq, op_name, time.monotonic()) of the latest collective
+        self._last_op = ""  # the name of collective number self.seq
+        self._last_start = 0.0  # time.monotonic() when the latest synchronous one started
         self._done_seq = 0  # the latest synchronous collective that completed
         self._last_handle: Optional[Handle] = None  # the latest asynchronous one
         self._end_note: Optional[dict] = None  # set when the script ends
@@ -252,9 +253,11 @@ class Engine:
 
     def status(self) -> _stall.Status:
         """Where this rank is: its latest collective, whether it finished, how long ago it started."""
-        seq, op_name, started = self._last
-        handle = self._last_handle
-        done = handle._done if handle is not None and handle.seq == seq else self._done_seq >= seq
+        seq, op_name, handle = self.seq, self._last_op, self._last_handle
+        if handle is not None and handle.seq == seq:
+            done, started = handle._done, handle.deadline - self.timeout
+        else:
+            done, started = self._done_seq >= seq, self._last_start
         state = "broken" if self._broken is not None else "running"
         found = {"rank": self.rank, "seq": seq, "op": op_name, "done": bool(done), "state": state,
                  "age": round(time.monotonic() - started, 3) if seq else 0.0}
@@ -292,10 +295,17 @@ class Engine:
         if self._closed or self._channel is None:
             return
         self._end_note = {"state": "failed", "error": failure} if failure else {"state": "exiting"}
-        self._channel.note_end(self.status())
-        if _excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(self.timeout):
-            print(f"smddp: rank {self.rank}: other ranks have not reached the end of their script within "
-                  f"{self.timeout:g} s", file=sys.stderr)
+        try:
+            self._channel.note_end(self.status())
+            # Long enough for a rank still in a collective to time out and ask this one.
+            wait = self.timeout + 2 * _stall.ANSWER_WAIT + 5
+            if _excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(wait):
+                print(f"smddp: rank {self.rank}: other ranks have not reached the end of their script within "
+                      f"{wait:g} s", file=sys.stderr)
+        finally:
+            # Stop the responder now: a thread that wakes up during interpreter shutdown
+            # (when rank 0's store goes away) aborts the process.
+            self._channel.close()
 
     # ------------------------------------------------------------------ helpers
     def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
@@ -343,8 +353,9 @@ class Engine:
             self._check_usable()
             self.seq += 1
             seq = self.seq
-            self._last = (seq, op_name, time.monotonic())
+            self._last_op = op_name
             if check is not None:
+                self._last_start = time.monotonic()
                 self._debug.check(seq, op_name, *check)
             try:
                 pending = start(seq)
@@ -362,7 +373,7 @@ class Engine:
 
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective in the caller's thread: no handle, no lock."""
-        started = time.monotonic()
+        started = self._last_start = time.monotonic()
         polls = 0
         try:
             while not pending.test():
@@ -385,9 +396,9 @@ class Engine:
     def _inplace(tensor: torch.Tensor):
         """A contiguous buffer for ``tensor`` and what to do once the operation is done."""
         if tensor.is_contiguous():
-            # Communicators write through the data pointer (or c10d, outside autograd), so
-            # even a leaf that requires grad needs no detach().
-            return tensor, None
+            # Communicators also finish with torch in-place ops (AVERAGE's divide, the copy
+            # back from a bfloat16 upcast), which autograd refuses on a leaf that requires grad.
+            return (tensor.detach() if tensor.requires_grad else tensor), None
         target = tensor.detach()
         buf = target.contiguous()
         return buf, lambda: target.copy_(buf)

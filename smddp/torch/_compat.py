@@ -34,6 +34,14 @@ def default_timeout():
     return constants.default_pg_timeout
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """True inside autograd's backward pass (where DDP's reducer starts its all-reduces)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
 # ---------------------------------------------------------------------------- native backends
 def backend_type(name: str):
     """torch's ``ProcessGroup.BackendType`` member called ``name`` (``"GLOO"``, ``"NCCL"``, ...)."""

@@ -132,6 +132,8 @@ def _op(op) -> Op:
         return Op.SUM
     key = getattr(op, "op", op)  # a torch ReduceOp object carries its type in .op
     try:
+        if isinstance(key, (int, float)):  # torch's op enum compares equal to ints: 3 would mean MIN
+            raise KeyError(key)
         return _OPS[key]
     except (KeyError, TypeError):
         raise InvalidArgumentError(

@@ -77,14 +77,30 @@ class Work(_compat.WorkBase):
 
             def complete(handle: Handle) -> None:
                 error = handle.exception()
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(self._result)
+                future.set_result(self._result if error is None else _Failed(error))
 
-            self._future = future
+            # Future.set_exception() completes the future with the exception *as its value*,
+            # which C++ consumers (DDP's reducer) read as tensors and crash on; an error
+            # raised in a then() callback is a real error that they rethrow.
+            self._future = future.then(_value_or_raise)
             self._handle.add_done_callback(complete)
         return self._future
+
+
+class _Failed:
+    """The value a Work's inner future carries when the operation failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _value_or_raise(future: torch.futures.Future):
+    value = future.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 def _single(tensors, what: str) -> torch.Tensor:
@@ -121,7 +137,8 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensor = _single(tensors, "allreduce")
         op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
-        return Work(self.engine.all_reduce(tensor, op, async_op=True), [tensor])
+        # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
+        return Work(self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward()), [tensor])
 
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")
@@ -302,7 +319,7 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
     timeout = _timeout(options.timeout)
     name = comm.choose_backend(_requested_backend, os.environ, topology, comm.probe())
     communicators = comm.create_communicators(name, Context(topology, timeout, options.store))
-    group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds()), rank, size)
+    group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds(), options.store), rank, size)
     group_name = getattr(options, "group_id", "") or ""
     group._set_group_name(group_name)
     # torch's functional collectives (FSDP2 state dicts, DTensor) need a native backend per device.

@@ -1,0 +1,244 @@
+"""Which ranks never arrived: ask every rank where it is when a collective times out.
+
+Each rank runs one responder thread that blocks on its own queue in the job's key-value
+store (``queue_pop`` on a private connection: the GIL is released and no CPU is used while
+it waits). A rank whose collective timed out pushes a query onto every other rank's queue;
+each responder answers with its :func:`status` (the last collective it started, whether it
+finished, how long ago, whether the script has ended). Nothing is exchanged while
+collectives run normally, so the hot path pays nothing.
+
+A rank answers while its main thread sleeps, computes in torch, or waits in a collective.
+A rank that does not answer within :data:`ANSWER_WAIT` seconds is named as such: it has
+died, or it is stuck in code that never releases Python's GIL.
+
+When a script ends, its rank leaves a note in the store (``exiting``/``closed``/``failed``)
+so that a rank still waiting learns that the other one left its training loop (the
+uneven-batches case). Under MPI the ending rank also waits, answering queries, until every
+rank has ended (``MPI_Finalize`` would wait for them anyway), so that rank 0, whose process
+hosts the store, keeps it alive for the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Dict, Iterable, List, Optional
+
+#: Seconds a timed-out rank waits for the other ranks' answers.
+ANSWER_WAIT = 3.0
+
+#: What a rank says about itself; see :meth:`smddp.comm.engine.Engine.status`.
+Status = Dict[str, object]
+
+_POLL = 0.02
+_engines = itertools.count()
+
+#: Appended to errors about a collective started during backward (usually DDP's gradients).
+UNEVEN_BATCHES_HINT = (
+    "A collective started during backward is DDP's gradient all-reduce: if some ranks ran "
+    "backward while others did not, the ranks probably have different numbers of batches (the "
+    "end of an epoch with unequal data shards). Fix: give every rank the same number of batches "
+    "(DistributedSampler(..., drop_last=True), or equal shards), or wrap the training loop in "
+    "torch.distributed.algorithms.join.Join([model]) so that ranks which run out of data shadow "
+    "the others' all-reduces."
+)
+
+
+class StoreChannel:
+    """Answers and asks "where are you?" over a torch ``Store`` shared by all ranks.
+
+    Args:
+        store: the job's store (a ``TCPStore``, possibly wrapped in a ``PrefixStore``).
+        rank: this process's rank.
+        size: number of ranks.
+    """
+
+    def __init__(self, store, rank: int, size: int):
+        import torch.distributed as tdist
+
+        self.rank, self.size = rank, size
+        self.store = tdist.PrefixStore(f"smddp/stall/{next(_engines)}", store)
+        # The responder blocks on its own connection: a blocking call on a shared one
+        # would hold that connection's lock against every other user.
+        self._conn = self.store.clone()
+        self._conn.set_timeout(timedelta(days=365))
+        self._status: Optional[Callable[[], Status]] = None
+        self._thread: Optional[threading.Thread] = None
+        self._query_lock = threading.Lock()
+        self._queries = itertools.count(1)
+        self._ended = False
+
+    def serve(self, status: Callable[[], Status]) -> None:
+        """Start answering queries with ``status()``."""
+        self._status = status
+        self._thread = threading.Thread(target=self._serve, name="smddp-stall-responder", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        key = f"q/{self.rank}"
+        while True:
+            try:
+                query = json.loads(self._conn.queue_pop(key, block=True))
+                if query.get("stop"):
+                    return
+                base = f"a/{query['from']}/{query['id']}"
+                self._conn.set(f"{base}/{self.rank}", json.dumps(self._status()))
+                self._conn.add(f"{base}/n", 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def query(self, timeout: float = ANSWER_WAIT) -> Dict[int, Optional[Status]]:
+        """Ask every other rank for its status.
+
+        Args:
+            timeout: seconds to wait for answers.
+
+        Returns:
+            ``{rank: status or None}`` for every other rank; None: no answer and no note
+            left at exit.
+        """
+        with self._query_lock:
+            qid = next(self._queries)
+            message = json.dumps({"from": self.rank, "id": qid})
+            others = [r for r in range(self.size) if r != self.rank]
+            for r in others:
+                self.store.queue_push(f"q/{r}", message)
+            base = f"a/{self.rank}/{qid}"
+            deadline = time.monotonic() + timeout
+            # Ranks that have ended left a note instead of an answer: do not wait for them.
+            while (self.store.add(f"{base}/n", 0) + self.store.add("ended", 0) < len(others)
+                   and time.monotonic() < deadline):
+                time.sleep(_POLL)
+            found: Dict[int, Optional[Status]] = {}
+            for r in others:
+                found[r] = self._read(f"{base}/{r}") or self._read(f"x/{r}")
+            return found
+
+    def _read(self, key: str) -> Optional[Status]:
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+    def note_end(self, status: Status) -> None:
+        """Leave this rank's final status where the others find it (once)."""
+        if self._ended:
+            return
+        self._ended = True
+        self.store.set(f"x/{self.rank}", json.dumps(status))
+        self.store.add("ended", 1)
+
+    def wait_all_ended(self, timeout: float) -> bool:
+        """Wait until every rank has called :meth:`note_end`, answering queries meanwhile.
+
+        Returns:
+            True if they all did within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.store.add("ended", 0) >= self.size:
+                    return True
+            except Exception:  # noqa: BLE001 - the store's host has gone: nothing to wait for
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop the responder thread."""
+        if self._thread is not None and self._thread.is_alive():
+            try:
+                self.store.queue_push(f"q/{self.rank}", json.dumps({"stop": True}))
+            except Exception:  # noqa: BLE001 - the store is gone: so is the thread's connection
+                pass
+            self._thread.join(1.0)
+
+
+# ---------------------------------------------------------------------------- the report
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    out: List[str] = []
+    ranks = sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _where(st: Status) -> str:
+    seq, op, age = st.get("seq", 0), st.get("op") or "", float(st.get("age") or 0.0)
+    state = st.get("state")
+    last = f"after sequence {seq} ({op})" if seq else "before its first collective"
+    if state == "exiting":
+        return f"has reached the end of its script, {last}"
+    if state == "closed":
+        return f"has called destroy_process_group(), {last}"
+    if state == "failed":
+        return f"has ended with an uncaught exception ({st.get('error', '?')}), {last}"
+    if not seq:
+        return "has not started any collective yet"
+    if state == "broken":
+        return f"has given up after its own collective failed or timed out, {last}"
+    if st.get("done"):
+        return (f"is outside collectives: its last one, sequence {seq} ({op}), started {age:.1f} s ago and "
+                f"finished; since then it has been computing, loading data or sleeping, or it left the loop")
+    return f"is waiting in sequence {seq} ({op}), started {age:.1f} s ago"
+
+
+def _kind(op_name: object) -> str:
+    return str(op_name).split(" ", 1)[0]
+
+
+def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stalled: bool = True) -> str:
+    """Sentences naming the ranks that never arrived at collective ``seq`` (``op_name``).
+
+    Args:
+        statuses: each other rank's answer (None: no answer).
+        seq: the sequence number of the collective this rank waits in.
+        op_name: what this rank called.
+        stalled: it timed out (else it failed: nothing is said when every rank is in step).
+    """
+    missing: Dict[str, List[int]] = {}
+    different: Dict[str, List[int]] = {}
+    silent: List[int] = []
+    hint = "backward" in op_name
+    for rank, st in sorted(statuses.items()):
+        if st is None:
+            silent.append(rank)
+            continue
+        at = int(st.get("seq") or 0)
+        if at < seq:
+            missing.setdefault(_where(st), []).append(rank)
+        elif at == seq and _kind(st.get("op")) != _kind(op_name):
+            different.setdefault(str(st.get("op")), []).append(rank)
+            hint = hint or "backward" in str(st.get("op"))
+    parts = []
+    never = sorted(r for ranks in missing.values() for r in ranks)
+    if never:
+        parts.append(f"Ranks that never arrived: {ranks_text(never)}.")
+        parts.extend(f"Rank {ranks_text(ranks)} {where}." for where, ranks in missing.items())
+    for other, ranks in different.items():
+        parts.append(
+            f"Rank {ranks_text(ranks)} called {other} as sequence {seq} where this rank called {op_name}: "
+            f"the ranks called different collectives (set SMDDP_DEBUG=1 to check every call)."
+        )
+    if silent:
+        parts.append(
+            f"Ranks that did not answer within {ANSWER_WAIT:g} s: {ranks_text(silent)} (dead, or stuck in "
+            f"code that does not release Python's GIL)."
+        )
+    if not parts and stalled:
+        parts.append(
+            "Every rank arrived at this collective: it stalled inside the communication library "
+            "(a network problem, or a peer stuck inside it); for NCCL, set NCCL_DEBUG=INFO."
+        )
+    if hint and (never or different or silent):
+        parts.append(UNEVEN_BATCHES_HINT)
+    return " ".join(parts)

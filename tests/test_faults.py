@@ -1,0 +1,275 @@
+"""Nothing hangs, nothing is silently wrong: faults injected into real jobs.
+
+Each test starts a job (``tests/scripts/fault_job.py MODE``) under ``mpirun``, ``torchrun`` or
+``smddprun`` with a hard time limit, and checks what every rank printed. Detection times are
+printed (``pytest -s`` shows them); the only time assertions are generous bounds that prove
+"no hang".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Dict, List
+
+import pytest
+import torch
+
+from smddp._topology import Topology
+from smddp.comm import debug, stall
+from smddp.comm.base import Context
+from smddp.comm.engine import Engine
+from smddp.comm.local import LocalCommunicator
+
+from launchers import ROOT, base_env, mpirun, rank_lines, torchrun
+
+SCRIPT = "tests/scripts/fault_job.py"
+TIMEOUT_S = 5  # the collective timeout the stall tests run with
+MARGIN_S = 6  # detection must come within the timeout plus this (asking the others takes < 3 s)
+
+
+def report(fault: str, seconds: float, extra: str = "") -> None:
+    print(f"\ndetection: {fault}: {seconds:.2f} s {extra}".rstrip())
+
+
+def lines(output: str, word: str) -> Dict[int, str]:
+    return rank_lines(output, word)
+
+
+# ---------------------------------------------------------------------------- a rank dies
+@pytest.mark.mpi
+def test_uncaught_exception_ends_the_job_with_its_traceback_first():
+    result = mpirun(2, [SCRIPT, "crash"], timeout=60)
+    end = time.time()
+    assert result.returncode != 0, result.output
+    crashed = float(lines(result.stdout, "CRASH")[1])
+    assert "UNREACHABLE" not in result.stdout
+    err = result.stderr
+    assert "ZeroDivisionError: rank 1 fails on purpose" in err, err
+    assert err.index("ZeroDivisionError") < err.index("MPI_ABORT"), "the traceback must come before the abort"
+    assert "ending every rank of the job" in err
+    assert end - crashed < 20
+    report("uncaught exception on rank 1 (mpirun -np 2)", end - crashed, "to the end of the job")
+
+
+@pytest.mark.mpi
+def test_rank_that_dies_ends_the_job():
+    result = mpirun(2, [SCRIPT, "die"], timeout=60)
+    end = time.time()
+    assert result.returncode != 0, result.output
+    died = float(lines(result.stdout, "DIE")[1])
+    assert "UNREACHABLE" not in result.stdout
+    assert end - died < 20
+    report("rank 1 exits (os._exit) before a collective (mpirun -np 2)", end - died, "to the end of the job")
+
+
+# ---------------------------------------------------------------------------- a rank stalls
+def check_stall(result, ranks: List[int], backend: str) -> None:
+    timeouts = lines(result.stdout, "TIMEOUT")
+    assert sorted(timeouts) == ranks, result.output
+    for rank in ranks:
+        seconds, message = timeouts[rank].split(" ", 1)
+        assert TIMEOUT_S - 0.5 <= float(seconds) <= TIMEOUT_S + MARGIN_S, timeouts[rank]
+        assert "all_reduce (sequence number 3)" in message
+        assert "Ranks that never arrived: 1." in message, message
+        assert "Rank 1 is outside collectives: its last one, sequence 2 (barrier)" in message, message
+        assert "The job is now broken" in message
+        report(f"rank 1 sleeps past a {TIMEOUT_S} s timeout ({backend}), seen by rank {rank}", float(seconds))
+    fast = lines(result.stdout, "FASTFAIL")
+    for rank in ranks:
+        seconds, message = fast[rank].split(" ", 1)
+        assert float(seconds) < 1.0 and "broken" in message, fast[rank]
+        report(f"the next collective after the timeout, rank {rank} ({backend})", float(seconds), "(fails fast)")
+    # A broken job ends at exit instead of waiting for the sleeping rank.
+    assert result.returncode != 0
+    assert "exiting with the job broken" in result.stderr
+
+
+@pytest.mark.mpi
+def test_timeout_names_the_rank_that_never_arrived_mpi():
+    start = time.monotonic()
+    result = mpirun(3, [SCRIPT, "sleep"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
+    check_stall(result, [0, 2], "mpi, 3 ranks")
+    print(f"job took {time.monotonic() - start:.1f} s; rank 1 would have slept 120 s")
+
+
+def test_timeout_names_the_rank_that_never_arrived_gloo():
+    start = time.monotonic()
+    result = torchrun(2, [SCRIPT, "sleep"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
+    check_stall(result, [0], "gloo under torchrun")
+    print(f"job took {time.monotonic() - start:.1f} s; rank 1 would have slept 120 s")
+
+
+# ---------------------------------------------------------------------------- SMDDP_DEBUG
+MISMATCHES = {
+    "shape": "(they differ in shape)",
+    "op": "(they differ in reduction op)",
+    "dtype": "(they differ in dtype)",
+    "operation": "rank 1: broadcast(src=0",
+    "src": "(they differ in source rank)",
+    "splits": "rank 2 sends 2 elements to rank 1, which expects 3 from it",
+}
+
+
+@pytest.mark.mpi
+def test_debug_mismatches_raise_on_every_rank():
+    result = mpirun(3, [SCRIPT, "mismatch"], timeout=60, env={"SMDDP_DEBUG": "1"}).check()
+    found: Dict[str, Dict[int, str]] = {}
+    for line in result.stdout.splitlines():
+        parts = line.split(" ", 4)
+        if parts[0] == "MISMATCH":
+            found.setdefault(parts[2], {})[int(parts[1])] = parts[4]
+            report(f"SMDDP_DEBUG mismatch ({parts[2]}), rank {parts[1]}", float(parts[3]))
+    assert "MISSED" not in result.stdout, result.output
+    for name, expected in MISMATCHES.items():
+        messages = found.get(name, {})
+        assert sorted(messages) == [0, 1, 2], (name, result.output)
+        assert len(set(messages.values())) == 1, f"ranks disagree about the {name} mismatch: {messages}"
+        message = messages[0]
+        assert expected in message, (name, message)
+        if name != "splits":
+            assert "Ranks that differ from rank 0: 1." in message and "rank 0, 2:" in message, message
+    # The job stays usable after a mismatch: nothing was run.
+    after = lines(result.stdout, "AFTER")
+    assert after == {r: "[3.0, 3.0, 3.0, 3.0]" for r in range(3)}, after
+
+
+def test_debug_is_off_by_default_and_costs_no_exchange():
+    assert not debug.enabled({})
+    assert not debug.enabled({"SMDDP_DEBUG": "0"}) and not debug.enabled({"SMDDP_DEBUG": "off"})
+    assert debug.enabled({"SMDDP_DEBUG": "1"}) and debug.enabled({"SMDDP_DEBUG": "detail"})
+    comm = LocalCommunicator(Context(Topology(), timedelta(seconds=5)))
+    assert Engine({"cpu": comm}, 5.0)._debug is None
+
+
+def test_fingerprint_explains_itself():
+    row = debug.fingerprint(7, "all_reduce", None, torch.ones(2, 3, dtype=torch.bfloat16), backward=True)
+    assert debug.explain(row) == (
+        "all_reduce(dtype=bfloat16, shape=(2, 3)) as sequence 7, during backward (DDP's gradient all-reduce)"
+    )
+    wide = debug.fingerprint(1, "broadcast", None, torch.ones([1] * 9), src=2)
+    assert "src=2" in debug.explain(wide) and "..." in debug.explain(wide)
+    assert len(wide) == debug.WIDTH
+
+
+# ---------------------------------------------------------------------------- uneven batches in DDP
+HINT_WORDS = ("different numbers of batches", "drop_last=True", "Join([model])")
+
+
+@pytest.mark.mpi
+def test_uneven_batches_named_under_debug():
+    result = mpirun(2, [SCRIPT, "uneven"], timeout=90, env={"SMDDP_DEBUG": "1", "SMDDP_TIMEOUT": "30"}).check()
+    uneven = lines(result.stdout, "UNEVEN")
+    assert sorted(uneven) == [0, 1], result.output
+    for rank, text in uneven.items():
+        kind, seconds, message = text.split(" ", 2)
+        assert kind == "CollectiveMismatchError", text
+        assert "during backward (DDP's gradient all-reduce)" in message and "rank 1: barrier()" in message
+        assert all(word in message for word in HINT_WORDS), message
+        report(f"uneven batches in DDP under SMDDP_DEBUG=1, rank {rank}", float(seconds))
+
+
+@pytest.mark.mpi
+def test_uneven_batches_named_by_the_timeout():
+    result = mpirun(2, [SCRIPT, "uneven"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
+    assert lines(result.stdout, "DONE") == {1: "3"}, result.output
+    kind, seconds, message = lines(result.stdout, "UNEVEN")[0].split(" ", 2)
+    # torch's reducer re-raises the engine's error as a RuntimeError that quotes it.
+    assert "CollectiveTimeout: all_reduce (during backward: DDP gradients)" in message, message
+    assert "Ranks that never arrived: 1. Rank 1 has reached the end of its script" in message, message
+    assert all(word in message for word in HINT_WORDS), message
+    assert TIMEOUT_S - 0.5 <= float(seconds) <= TIMEOUT_S + MARGIN_S
+    report(f"uneven batches in DDP (mpi, {TIMEOUT_S} s timeout), rank 0", float(seconds))
+
+
+def test_uneven_batches_named_on_gloo():
+    result = torchrun(2, [SCRIPT, "uneven"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
+    assert lines(result.stdout, "DONE") == {1: "3"}, result.output
+    kind, seconds, message = lines(result.stdout, "UNEVEN")[0].split(" ", 2)
+    # Here gloo notices the peer's exit first (its connection closes), before any timeout.
+    assert "Ranks that never arrived: 1. Rank 1 has reached the end of its script" in message, message
+    assert all(word in message for word in HINT_WORDS), message
+    assert float(seconds) <= TIMEOUT_S + MARGIN_S
+    report("uneven batches in DDP (gloo under torchrun), rank 0", float(seconds))
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+def _session_processes(sid: int) -> List[str]:
+    """Live (not zombie) processes of session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != sid:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                with open(f"/proc/{entry}/cmdline") as f:
+                    found.append(f"{entry} {f.read().replace(chr(0), ' ')[:120]}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "local"])
+def test_ctrl_c_on_smddprun_leaves_no_process(launcher):
+    if launcher == "mpirun":
+        pytest.importorskip("mpi4py")
+    cmd = [sys.executable, "-m", "smddp.launch", "--launcher", launcher, "-np", "2", SCRIPT, "hold"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base_env(),
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        pids, deadline, seen = [], time.monotonic() + 60, []
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if " PID " in f" {line}":
+                pids.append(int(line.split()[-1]))
+        assert len(pids) == 2, "".join(seen)
+        time.sleep(0.3)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the launcher
+        proc.communicate(timeout=30)
+        left = _session_processes(proc.pid)
+        while left and time.monotonic() - start < 15:
+            time.sleep(0.1)
+            left = _session_processes(proc.pid)
+        assert not left, f"processes left after Ctrl-C: {left}"
+        assert proc.returncode != 0
+        report(f"Ctrl-C on smddprun ({launcher}): every process gone", time.monotonic() - start)
+    finally:
+        if proc.poll() is None or _session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.communicate()
+
+
+# ---------------------------------------------------------------------------- the report's words
+def test_stall_report_words():
+    statuses = {
+        1: {"seq": 4, "op": "all_reduce", "done": True, "age": 9.5, "state": "running"},
+        2: {"seq": 5, "op": "all_reduce", "done": False, "age": 1.0, "state": "running"},
+        3: {"seq": 5, "op": "broadcast", "done": False, "age": 1.0, "state": "running"},
+        4: None,
+        5: {"seq": 4, "op": "barrier", "done": True, "age": 0.0, "state": "exiting"},
+        6: {"seq": 4, "op": "all_reduce", "done": True, "age": 9.5, "state": "running"},
+    }
+    text = stall.describe(statuses, 5, "all_reduce")
+    assert text.startswith("Ranks that never arrived: 1, 5-6.")
+    assert "Rank 1, 6 is outside collectives: its last one, sequence 4 (all_reduce), started 9.5 s ago" in text
+    assert "Rank 5 has reached the end of its script, after sequence 4 (barrier)" in text
+    assert "Rank 3 called broadcast as sequence 5 where this rank called all_reduce" in text
+    assert "did not answer within 3 s: 4" in text
+    assert "drop_last" not in text
+    assert "drop_last" in stall.describe({1: statuses[5]}, 5, "all_reduce (during backward: DDP gradients)")
+    assert stall.describe({1: statuses[2]}, 5, "all_reduce").startswith("Every rank arrived")
+    assert stall.describe({1: statuses[2]}, 5, "all_reduce", stalled=False) == ""
+    assert stall.ranks_text([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
