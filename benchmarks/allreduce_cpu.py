@@ -16,8 +16,10 @@ Methods, all on float32 SUM, in place, over the same ranks:
   completion by ``test()``), smddp's layers below its API.
 
 Each round runs every method once, in an order that rotates every round; a method's turn is a
-barrier, then ``iters`` calls timed one by one. A method's figure is the median of all its
-calls on a rank, and the slowest rank's median is reported. The table gives the ratios the
+barrier, then ``iters`` calls timed one by one. A round's figure for a method is the median of
+its calls, taken on the slowest rank; the table shows the median over rounds, and each ratio is
+the median over rounds of the ratio within the round (paired: load that drifts between rounds
+cancels out). The table gives the ratios the
 foundation issue sets bars for: smddp at least 20x faster than gloo at 4 KB and 1.5x at 16 MB,
 and within 2.0x (4 KB) and 1.15x (16 MB) of raw mpi4py.
 """
@@ -31,7 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import numpy as np
 import torch
@@ -78,14 +80,17 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
     return methods
 
 
-def measure(nbytes: int, rounds: int, iters: int, comm, gloo, layers: bool) -> Dict[str, float]:
-    """Median seconds per call of each method at ``nbytes``: the slowest rank's median."""
+def measure(nbytes: int, rounds: int, iters: int, comm, gloo, layers: bool) -> Dict[str, np.ndarray]:
+    """Per-round median seconds per call of each method at ``nbytes``, slowest rank per round.
+
+    Returns:
+        ``{method: array of one median per round}``.
+    """
     from mpi4py import MPI
 
     methods = _methods(nbytes, comm, gloo, layers)
     reset, check = methods.pop("_reset"), methods.pop("_check")
     names = list(methods)
-    samples: Dict[str, List[float]] = {name: [] for name in names}
     size = comm.Get_size()
     for name in names:  # warm up, and check every method sums correctly
         reset()
@@ -93,21 +98,22 @@ def measure(nbytes: int, rounds: int, iters: int, comm, gloo, layers: bool) -> D
         value = check()[1 if name == "mpi4py-numpy" else 0]
         if value != size:
             raise RuntimeError(f"{name} at {nbytes} bytes gave {value}, expected {size}")
+    per_round = {name: np.zeros(rounds) for name in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             call = methods[name]
             reset()
             comm.Barrier()
+            samples = []
             for _ in range(iters):
                 start = time.perf_counter()
                 call()
-                samples[name].append(time.perf_counter() - start)
-    medians = {}
+                samples.append(time.perf_counter() - start)
+            per_round[name][r] = statistics.median(samples)
     for name in names:
-        mine = statistics.median(samples[name])
-        medians[name] = comm.allreduce(mine, op=MPI.MAX)
-    return medians
+        comm.Allreduce(MPI.IN_PLACE, per_round[name], op=MPI.MAX)
+    return per_round
 
 
 def _fmt_time(seconds: float) -> str:
@@ -169,14 +175,16 @@ def main(argv=None) -> int:
         print(f"# versions: smddp {smddp.__version__} (backend {dist.get_backend()}), torch {torch.__version__}, "
               f"mpi4py {mpi4py.__version__}, "
               f"{vendor} {'.'.join(map(str, version))}")
-        print(f"# figures:  median per call over {args.rounds} rounds x iters calls (methods alternate each "
-              f"round), slowest rank's median")
+        print(f"# figures:  time per call: median over {args.rounds} rounds of each round's median of ITERS "
+              f"calls, slowest rank; methods alternate within each round")
+        print("#           ratios: median over rounds of the ratio within each round (paired, so load that "
+              "drifts between rounds cancels)")
         print()
         width = max(14, *(len(n) + 2 for n in names))
         print(f"{'size':<8s}{'iters':>6s}  " + "".join(f"{n:>{width}s}" for n in names))
-        for nbytes, (medians, iters) in results.items():
-            print(f"{format_size(nbytes):<8s}{iters:>6d}  " + "".join(f"{_fmt_time(medians[n]):>{width}s}"
-                                                                    for n in names))
+        for nbytes, (rounds, iters) in results.items():
+            print(f"{format_size(nbytes):<8s}{iters:>6d}  " + "".join(
+                f"{_fmt_time(float(np.median(rounds[n]))):>{width}s}" for n in names))
         print()
         print(f"{'ratio':<28s}" + "".join(f"{format_size(n):>26s}" for n in results))
         summary = {}
@@ -184,11 +192,11 @@ def main(argv=None) -> int:
                                    ("smddp / mpi4py-tensor", "mpi4py-tensor", "slower"),
                                    ("smddp / mpi4py-numpy", "mpi4py-numpy", "slower")):
             cells = []
-            for nbytes, (medians, _) in results.items():
+            for nbytes, (rounds, _) in results.items():
                 if better == "faster":
-                    ratio = medians[key] / medians["smddp"]
+                    ratio = float(np.median(rounds[key] / rounds["smddp"]))
                 else:
-                    ratio = medians["smddp"] / medians[key]
+                    ratio = float(np.median(rounds["smddp"] / rounds[key]))
                 bar = BARS.get(nbytes)
                 verdict = ""
                 if bar is not None:
@@ -202,7 +210,10 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"command": command, "machine": _machine(), "load_before": load_before,
                            "load_after": load_after, "ranks": size,
-                           "medians_s": {format_size(n): m for n, (m, _) in results.items()},
+                           "medians_s": {format_size(n): {k: float(np.median(v)) for k, v in m.items()}
+                                         for n, (m, _) in results.items()},
+                           "per_round_s": {format_size(n): {k: v.tolist() for k, v in m.items()}
+                                           for n, (m, _) in results.items()},
                            "ratios": summary}, f, indent=2)
     comm.Free()
     tdist.destroy_process_group(gloo)

@@ -207,7 +207,8 @@ def pattern(rank: int, start: int, length: int):
     return (torch.arange(start, start + length, dtype=torch.int64) + 5 * rank) % 13 + 1
 
 
-def expected(op: str, rank: int, world_size: int, count: int, dtype, redop: str = "sum", root: int = 0):
+def expected(op: str, rank: int, world_size: int, count: int, dtype, redop: str = "sum", root: int = 0,
+             start: int = 0, length: Optional[int] = None):
     """What ``rank`` must hold after ``op`` on the :func:`pattern` inputs, computed locally.
 
     Args:
@@ -218,24 +219,35 @@ def expected(op: str, rank: int, world_size: int, count: int, dtype, redop: str 
         dtype: the torch dtype of the buffers.
         redop: the reduction of ``all_reduce``.
         root: the source rank of ``broadcast``.
+        start, length: the slice of the result wanted (default: all of it), so that large
+            buffers are checked a slice at a time.
 
     Returns:
-        A CPU tensor of ``dtype``: the in-place tensor (all_reduce, broadcast) or the whole
-        output (all_gather, all_to_all).
+        A CPU tensor of ``dtype``: the in-place tensor (all_reduce, broadcast) or the output
+        (all_gather, all_to_all), elements ``start .. start+length``.
     """
     import torch
 
     n = world_size
+    total = count * n if op in ("all_gather", "all_to_all") else count
+    length = total - start if length is None else length
     if op == "broadcast":
-        return pattern(root, 0, count).to(dtype)
-    if op == "all_gather":
-        return torch.cat([pattern(r, 0, count) for r in range(n)]).to(dtype)
-    if op == "all_to_all":
-        return torch.cat([pattern(r, rank * count, count) for r in range(n)]).to(dtype)
+        return pattern(root, start, length).to(dtype)
+    if op in ("all_gather", "all_to_all"):
+        # Output element k comes from rank k // count: its element k % count (all_gather), or
+        # its element rank * count + k % count (all_to_all).
+        parts, k, end = [], start, start + length
+        while k < end:
+            src, offset = divmod(k, count)
+            take = min(end - k, count - offset)
+            first = offset if op == "all_gather" else rank * count + offset
+            parts.append(pattern(src, first, take))
+            k += take
+        return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)).to(dtype)
     floating = dtype.is_floating_point
-    acc = pattern(0, 0, count).to(torch.float64 if floating else torch.int64)
+    acc = pattern(0, start, length).to(torch.float64 if floating else torch.int64)
     for r in range(1, n):
-        incoming = pattern(r, 0, count).to(acc.dtype)
+        incoming = pattern(r, start, length).to(acc.dtype)
         if redop in ("sum", "avg"):
             acc += incoming
         elif redop == "min":
@@ -251,17 +263,33 @@ def expected(op: str, rank: int, world_size: int, count: int, dtype, redop: str 
 
 
 def count_wrong(got, want, world_size: int) -> int:
-    """Elements of ``got`` that differ from ``want`` (floats within ``n`` ulps of 1; NaN is wrong)."""
+    """Elements of ``got`` that differ from ``want`` (floats within ``n`` ulps of 1; NaN is wrong).
+
+    Compared on ``got``'s device; ``want`` may be on the CPU.
+    """
     import torch
 
-    got = got.detach().to("cpu").reshape(-1)
-    want = want.reshape(-1)
+    got = got.detach().reshape(-1)
+    want = want.reshape(-1).to(got.device)
     if not want.dtype.is_floating_point:
         return int((got != want).sum())
     tol = torch.finfo(want.dtype).eps * world_size
-    g, w = got.to(torch.float64), want.to(torch.float64)
+    wide = torch.float64 if want.dtype == torch.float64 else torch.float32  # small integers: exact in float32
+    g, w = got.to(wide), want.to(wide)
     ok = (g - w).abs() <= tol * w.abs()
     return int((~ok).sum())
+
+
+def check_result(got, op: str, rank: int, world_size: int, count: int, dtype, redop: str = "sum", root: int = 0,
+                 chunk: int = 1 << 22) -> int:
+    """Wrong elements of ``got``, the result of ``op`` on this rank, checked ``chunk`` elements at a time."""
+    flat = got.detach().reshape(-1)
+    wrong = 0
+    for start in range(0, flat.numel(), chunk):
+        length = min(chunk, flat.numel() - start)
+        want = expected(op, rank, world_size, count, dtype, redop, root, start, length)
+        wrong += count_wrong(flat[start:start + length], want, world_size)
+    return wrong
 
 
 # ---------------------------------------------------------------------------- implementations
@@ -471,8 +499,7 @@ class Runner:
             self._call(op, redop, root, tensor, out)()
             self.sync()
             got = tensor if op in ("all_reduce", "broadcast") else out
-            want = expected(op, self.rank, self.world_size, count, dtype, redop, root)
-            wrong = count_wrong(got, want, self.world_size)
+            wrong = check_result(got, op, self.rank, self.world_size, count, dtype, redop, root)
         del tensor, out, call
         seconds, wrong = self._reduce(elapsed, wrong)
         algbw = size_bytes / seconds / 1e9 if seconds > 0 else 0.0

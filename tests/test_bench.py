@@ -238,3 +238,18 @@ def test_help_documents_every_option():
     for option in ("--op", "--minbytes", "--maxbytes", "--stepfactor", "--iters", "--warmup", "--dtype", "--backend",
                    "--check", "--csv", "--plot", "--compare", "--average", "--root", "--redop", "--api", "--device"):
         assert option in text
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+def test_expected_slices_and_chunked_check_agree_with_the_whole(op):
+    for n in (1, 2, 3):
+        for rank in range(n):
+            full = bench.expected(op, rank, n, 10, torch.float32, "avg", root=n - 1)
+            for start, length in ((0, 5), (3, 11), (7, full.numel() - 7)):
+                length = min(length, full.numel() - start)
+                part = bench.expected(op, rank, n, 10, torch.float32, "avg", n - 1, start, length)
+                assert torch.equal(part, full[start:start + length]), (n, rank, start)
+            assert bench.check_result(full, op, rank, n, 10, torch.float32, "avg", n - 1, chunk=7) == 0
+            broken = full.clone()
+            broken[-1] += 1
+            assert bench.check_result(broken, op, rank, n, 10, torch.float32, "avg", n - 1, chunk=7) == 1
