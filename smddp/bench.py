@@ -61,6 +61,9 @@ _ALL_DTYPES = ("int8", "uint8", "int32", "int64", "half", "bfloat16", "float", "
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+#: Elements checked (and filled with the pattern) at a time, so --check works on large buffers.
+_CHUNK = 1 << 22
+
 CSV_FIELDS = ("op", "impl", "backend", "api", "device", "world_size", "size_bytes", "count", "dtype", "redop",
               "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong")
 
@@ -281,9 +284,10 @@ def count_wrong(got, want, world_size: int) -> int:
 
 
 def check_result(got, op: str, rank: int, world_size: int, count: int, dtype, redop: str = "sum", root: int = 0,
-                 chunk: int = 1 << 22) -> int:
+                 chunk: Optional[int] = None) -> int:
     """Wrong elements of ``got``, the result of ``op`` on this rank, checked ``chunk`` elements at a time."""
     flat = got.detach().reshape(-1)
+    chunk = chunk or _CHUNK
     wrong = 0
     for start in range(0, flat.numel(), chunk):
         length = min(chunk, flat.numel() - start)
@@ -451,9 +455,12 @@ class Runner:
         n, me = self.world_size, self.rank
 
         def filled(numel, start=0):
-            if fill:
-                return pattern(me, start, numel).to(dtype).to(self.device)
-            return torch.ones(numel, dtype=dtype, device=self.device)
+            tensor = torch.ones(numel, dtype=dtype, device=self.device)
+            if fill:  # a slice at a time: the int64 pattern of a 4 GB buffer would not fit
+                for first in range(0, numel, _CHUNK):
+                    length = min(_CHUNK, numel - first)
+                    tensor[first:first + length].copy_(pattern(me, start + first, length).to(dtype))
+            return tensor
 
         if op in ("all_reduce", "broadcast"):
             tensor = filled(count)
