@@ -273,3 +273,7 @@ def test_stall_report_words():
     assert stall.describe({1: statuses[2]}, 5, "all_reduce").startswith("Every rank arrived")
     assert stall.describe({1: statuses[2]}, 5, "all_reduce", stalled=False) == ""
     assert stall.ranks_text([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    # A message involves two ranks: the others are only located, never called "missing".
+    p2p = stall.describe({1: statuses[1], 3: statuses[3]}, 5, "send to rank 1 (tag 0)")
+    assert "never arrived" not in p2p and "different collectives" not in p2p
+    assert p2p.startswith("Rank 1 is outside collectives") and "Rank 3 is waiting in sequence 5 (broadcast)" in p2p

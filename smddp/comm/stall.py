@@ -205,6 +205,8 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
         op_name: what this rank called.
         stalled: it timed out (else it failed: nothing is said when every rank is in step).
     """
+    if _kind(op_name) in ("send", "recv", "receive"):
+        return _positions(statuses)
     missing: Dict[str, List[int]] = {}
     different: Dict[str, List[int]] = {}
     silent: List[int] = []
@@ -241,4 +243,20 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
         )
     if hint and (never or different or silent):
         parts.append(UNEVEN_BATCHES_HINT)
+    return " ".join(parts)
+
+
+def _positions(statuses: Dict[int, Optional[Status]]) -> str:
+    """Where each rank is, for a point-to-point message (which involves two ranks, not all)."""
+    where: Dict[str, List[int]] = {}
+    silent = []
+    for rank, st in sorted(statuses.items()):
+        if st is None:
+            silent.append(rank)
+        else:
+            where.setdefault(_where(st), []).append(rank)
+    parts = [f"Rank {ranks_text(ranks)} {text}." for text, ranks in where.items()]
+    if silent:
+        parts.append(f"Ranks that did not answer within {ANSWER_WAIT:g} s: {ranks_text(silent)} (dead, or stuck "
+                     f"in code that does not release Python's GIL).")
     return " ".join(parts)
