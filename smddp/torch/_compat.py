@@ -99,3 +99,15 @@ def xccl_backend(store, rank: int, size: int, timeout, group_name: str):
     options.group_name = group_name
     options.global_ranks_in_group = list(range(size))
     return tdist.ProcessGroupXCCL(store, rank, size, options)
+
+
+# ---------------------------------------------------------------------------- autograd
+def backward_task() -> int:
+    """The id of the autograd backward pass running in this thread; -1 outside backward."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when the running backward pass ends, before ``backward()`` returns."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

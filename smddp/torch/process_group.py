@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from datetime import timedelta
 from typing import List, Optional
 
@@ -33,6 +34,13 @@ _RED_OPS = {
     tdist.ReduceOp.RedOpType.MAX: Op.MAX,
     tdist.ReduceOp.RedOpType.PRODUCT: Op.PRODUCT,
 }
+
+
+# DDP's last gradient buckets are finished in the thread that runs backward for at most this
+# long (an MPI all-reduce of a 25 MB bucket takes a few ms on one host); see
+# SmddpProcessGroup._finish_with_backward.
+_FINISH_SECONDS = 0.05
+_yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 def torch_op(reduce_op) -> Op:
@@ -118,6 +126,10 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         self._group_name = ""
         #: Device type to the seconds its torch-native backend took to create (see _native).
         self.native_backends = {}
+        # MPI moves data only while a thread calls into it: see _finish_with_backward.
+        cpu = engine.comms.get("cpu")
+        self._drive_in_backward = cpu is not None and cpu.name == "mpi"
+        self._backward_handles = {}
 
     # torch asks these of every group
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -138,7 +150,39 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         tensor = _single(tensors, "allreduce")
         op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
-        return Work(self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward()), [tensor])
+        handle = self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward())
+        if self._drive_in_backward and tensor.is_cpu:
+            self._finish_with_backward(handle)
+        return Work(handle, [tensor])
+
+    def _finish_with_backward(self, handle: Handle) -> None:
+        """Complete ``handle`` in this thread when the running backward pass ends.
+
+        DDP's reducer starts each gradient bucket's all-reduce from backward and, once
+        backward ends, blocks on the buckets' futures. MPI moves data only while a thread
+        calls into it; left to the progress thread, which sleeps between polls, the last
+        buckets wait for its wake-ups (whole scheduler slices on a busy CPU). Finishing them
+        in the thread that would otherwise block, just before the reducer's own
+        end-of-backward step, takes those waits out of every training step.
+        """
+        task = _compat.backward_task()
+        if task == -1:
+            return
+        handles = self._backward_handles.get(task)
+        if handles is None:
+            handles = self._backward_handles[task] = []
+            _compat.queue_backward_callback(lambda: self._finish_backward(task))
+        handles.append(handle)
+
+    def _finish_backward(self, task: int) -> None:
+        # Poll, yielding the CPU to any other runnable thread between polls, for at most
+        # _FINISH_SECONDS; past that, the progress thread completes the rest as usual.
+        give_up = time.monotonic() + _FINISH_SECONDS
+        for handle in self._backward_handles.pop(task, ()):
+            while not handle.is_completed():
+                if time.monotonic() > give_up:
+                    return
+                _yield_cpu()
 
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")

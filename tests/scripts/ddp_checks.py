@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -28,8 +29,15 @@ LOCAL_BATCH = 4
 STEPS = 5
 
 
+def say(line: str) -> None:
+    # One write per line: with PYTHONUNBUFFERED, print() writes the newline separately and
+    # the ranks' lines can interleave.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def ok(name: str) -> None:
-    print(f"OK {RANK} {name}", flush=True)
+    say(f"OK {RANK} {name}")
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
@@ -83,8 +91,9 @@ def check_api() -> None:
     assert DDP(net(0), bucket_cap_mb=2).bucket_bytes_cap == 2 * 1024 * 1024
     assert DDP(net(0), process_group=dist.group.WORLD) is not None
     assert DDP(net(0), process_group=tdist.group.WORLD) is not None  # torch's default group is smddp's
-    flags = DDP(net(0), gradient_as_bucket_view=True, find_unused_parameters=True)
-    assert flags.gradient_as_bucket_view and flags.find_unused_parameters
+    assert model.gradient_as_bucket_view, "smddp's default is gradient_as_bucket_view=True"
+    flags = DDP(net(0), gradient_as_bucket_view=False, find_unused_parameters=True)
+    assert not flags.gradient_as_bucket_view and flags.find_unused_parameters
     ok("api")
 
 
@@ -234,13 +243,13 @@ def main() -> None:
     check_errors(gloo)
     check_exact("exact", start_seed=0)
     check_exact("exact_small_buckets_different_start", start_seed=RANK, bucket_cap_mb=0.0001, buckets="many")
-    check_exact("exact_passthrough", start_seed=RANK, gradient_as_bucket_view=True, static_graph=True)
+    check_exact("exact_passthrough", start_seed=RANK, gradient_as_bucket_view=False, static_graph=True)
     check_no_sync()
     check_buffers(True)
     check_buffers(False)
     check_state_dict(gloo)
     tdist.barrier(gloo)
-    print(f"DONE {RANK} {dist.get_backend()}", flush=True)
+    say(f"DONE {RANK} {dist.get_backend()}")
     dist.destroy_process_group()
 
 
