@@ -154,7 +154,10 @@ class StoreChannel:
                 self.store.queue_push(f"q/{self.rank}", json.dumps({"stop": True}))
             except Exception:  # noqa: BLE001 - the store is gone: so is the thread's connection
                 pass
-            self._thread.join(1.0)
+            # It must be gone before the interpreter shuts down: a thread that returns from a
+            # blocking store call during shutdown aborts the process. It ends within
+            # milliseconds; the bound only matters on a starved CPU.
+            self._thread.join(10.0)
 
 
 # ---------------------------------------------------------------------------- the report
