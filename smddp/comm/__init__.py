@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -45,6 +46,24 @@ BACKENDS: Dict[str, BackendInfo] = {
 def register(info: BackendInfo) -> None:
     """Add or replace a backend in the registry."""
     BACKENDS[info.name] = info
+
+
+# Device backends: each moves its device's tensors; its class's build(ctx) adds a CPU
+# communicator for CPU tensors (smddp/comm/devices.py).
+_CUPY = "pip install 'smddp[cuda]' (cupy-cuda12x; for CUDA 13 install cupy-cuda13x instead)"
+_XPU = ("a torch XPU build >= 2.8 (native XCCL), or Intel's oneCCL bindings: pip install oneccl_bind_pt "
+        "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/")
+for _info in (
+    BackendInfo("nccl", "smddp.comm.nccl:NCCLCommunicator", "cuda", _CUPY,
+                "NCCL through CuPy on torch's current CUDA stream; the default on CUDA"),
+    BackendInfo("torch-nccl", "smddp.comm.torch_native:TorchNCCLCommunicator", "cuda",
+                "a CUDA build of torch", "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
+    BackendInfo("xccl", "smddp.comm.torch_native:XCCLCommunicator", "xpu", _XPU,
+                "Intel GPUs: torch's XCCL, else oneCCL's bindings; the default on XPU"),
+    BackendInfo("ccl", "smddp.comm.torch_native:CCLCommunicator", "xpu", _XPU,
+                "Intel's oneccl_bindings_for_pytorch on XPU and CPU tensors"),
+):
+    register(_info)
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,34 @@ def probe() -> Probe:
 
 
 # Automatic choice per accelerator; the first whose condition holds wins.
-_AUTO: Tuple[Tuple[str, Callable[[Probe, Topology], bool]], ...] = ()
+_AUTO: Tuple[Tuple[str, Callable[[Probe, Topology], bool]], ...] = (
+    ("nccl", lambda found, topology: found.cuda and found.cupy),
+    ("torch-nccl", lambda found, topology: found.cuda),  # CuPy missing: torch's NCCL, with a note
+    ("xccl", lambda found, topology: found.xpu and (found.xccl or found.ccl)),
+)
+
+_log = logging.getLogger("smddp")
+
+
+def _device_backend_missing(name: str, found: Probe) -> Optional[str]:
+    """Why device backend ``name`` cannot run on a machine like ``found``; None if it can."""
+    no_cuda = "torch sees no CUDA GPU (torch.cuda.is_available() is False: no GPU, or a CPU build of torch)"
+    if name == "nccl":
+        if not found.cuda:
+            return f"the 'nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
+        if not found.cupy:
+            return (f"the 'nccl' backend needs CuPy, which is not installed: {_CUPY}; "
+                    f"or use SMDDP_BACKEND=torch-nccl (torch's own NCCL, no CuPy needed)")
+    elif name == "torch-nccl" and not found.cuda:
+        return f"the 'torch-nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
+    elif name == "xccl":
+        if not found.xpu:
+            return "the 'xccl' backend needs an Intel GPU, and torch sees none (torch.xpu.is_available() is False)"
+        if not (found.xccl or found.ccl):
+            return f"the 'xccl' backend needs oneCCL, and this torch has no XCCL: install {_XPU}"
+    elif name == "ccl" and not found.ccl:
+        return f"the 'ccl' backend needs Intel's oneccl_bindings_for_pytorch: install {_XPU}"
+    return None
 
 
 def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: Topology, found: Probe) -> str:
@@ -103,8 +149,14 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
     Returns:
         A name in :data:`BACKENDS`.
 
+    Automatic choice: a world of one without a launcher is ``local``; on CUDA ``nccl``
+    (``torch-nccl``, with a logged note, when CuPy is missing); on an Intel GPU ``xccl``;
+    otherwise ``mpi`` under an MPI launcher with mpi4py, else ``gloo``.
+
     Raises:
-        BackendUnavailableError: the name is unknown (the message lists the valid ones).
+        BackendUnavailableError: the name is unknown (the message lists the valid ones), a
+            device backend was asked for where its device or library is missing, or the
+            machine has an Intel GPU and no oneCCL (each message says what to install).
     """
     name = requested or env.get("SMDDP_BACKEND") or None
     if name in (None, "", "auto", "smddp"):
@@ -112,13 +164,25 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
             return "local"
         for candidate, applies in _AUTO:
             if candidate in BACKENDS and applies(found, topology):
+                if candidate == "torch-nccl" and topology.rank == 0:
+                    _log.warning("smddp: CuPy is not installed, so CUDA tensors go through torch's own NCCL "
+                                 "(backend 'torch-nccl'); for smddp's 'nccl' backend: %s", _CUPY)
                 return candidate
+        if found.xpu:
+            raise BackendUnavailableError(
+                f"this machine has an Intel GPU but no oneCCL (this torch has no XCCL and "
+                f"oneccl_bindings_for_pytorch is not installed): install {_XPU}; or set SMDDP_BACKEND=gloo "
+                f"to use CPU tensors only"
+            )
         return "mpi" if topology.mpi and found.mpi4py else "gloo"
-    name = name.lower()
+    name = name.lower().replace("_", "-")
     if name not in BACKENDS:
         raise BackendUnavailableError(
             f"unknown backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))} (or 'auto')"
         )
+    missing = _device_backend_missing(name, found)
+    if missing is not None:
+        raise BackendUnavailableError(missing)
     return name
 
 

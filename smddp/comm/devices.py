@@ -1,0 +1,133 @@
+"""Device communicators and the CPU communicator that travels with them.
+
+A device backend (``nccl``, ``torch-nccl``, ``xccl``) moves only its device's tensors.
+Training scripts also reduce CPU tensors (a loss read with ``.item()``, a sample count,
+a metric), so each device backend's ``build(ctx)`` pairs it with a CPU communicator
+and the engine routes every tensor by its device type: smdistributed could not mix
+backends; smddp can.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from smddp._topology import Topology
+from smddp.comm.base import Communicator, Context
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
+
+#: What to install for each device backend, named in every error about it.
+CUDA_INSTALL = (
+    "pip install 'smddp[cuda]' (CuPy for CUDA 12: cupy-cuda12x; "
+    "for CUDA 13 install cupy-cuda13x instead)"
+)
+TORCH_CUDA_INSTALL = "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
+XPU_INSTALL = (
+    "a torch XPU build >= 2.8, which has XCCL (pip install torch --index-url "
+    "https://download.pytorch.org/whl/xpu), or Intel's oneCCL bindings (pip install oneccl_bind_pt "
+    "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/)"
+)
+
+
+def companion_backend(topology: Topology, mpi4py: bool) -> str:
+    """The CPU backend that serves CPU tensors next to a device backend.
+
+    Args:
+        topology: this process's topology.
+        mpi4py: whether mpi4py is importable.
+
+    Returns:
+        ``"local"`` for a world of one started without a launcher, ``"mpi"`` under an MPI
+        launcher with mpi4py, else ``"gloo"``.
+    """
+    if not topology.distributed and topology.size == 1:
+        return "local"
+    if topology.mpi and mpi4py:
+        return "mpi"
+    return "gloo"
+
+
+def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator],
+                       ctx: Context, companion: Optional[str] = None) -> Dict[str, Communicator]:
+    """The device communicator ``make(ctx)`` first, then a CPU communicator for CPU tensors.
+
+    Args:
+        device_type: the device type the device communicator serves (``"cuda"``, ``"xpu"``).
+        make: creates the device communicator.
+        ctx: the job's context.
+        companion: the CPU backend's name; default :func:`companion_backend`.
+
+    Returns:
+        ``{device_type: device_comm, "cpu": cpu_comm}``; the engine treats the first as the
+        job's backend (barriers run on it).
+
+    Raises:
+        BackendUnavailableError: either communicator cannot start (the device one is closed
+            again when the CPU one fails).
+    """
+    from smddp.comm import _has_module, backend_class
+
+    if companion is None:
+        companion = companion_backend(ctx.topology, _has_module("mpi4py"))
+    device_comm = make(ctx)
+    try:
+        cpu_comm = backend_class(companion)(ctx)
+    except BaseException:
+        device_comm.close()
+        raise
+    return {device_type: device_comm, "cpu": cpu_comm}
+
+
+def device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` torch sees (0 when the build has none)."""
+    module = getattr(torch, device_type, None)
+    if module is None or not module.is_available():
+        return 0
+    return int(module.device_count())
+
+
+def pick_device(ctx: Context, device_type: str, count: Optional[int] = None) -> torch.device:
+    """This rank's device: ``ctx.device`` if given, else ``<type>:<local_rank mod count>``.
+
+    One process per device is the rule (SageMaker runs one per GPU); the modulo keeps a
+    job working where the launcher shows each process only its own device
+    (``CUDA_VISIBLE_DEVICES`` per rank: every process sees one device, index 0).
+
+    Args:
+        ctx: the job's context.
+        device_type: ``"cuda"`` or ``"xpu"``.
+        count: the number of visible devices (default: ask torch).
+
+    Raises:
+        BackendUnavailableError: no device of that type is visible.
+        InvalidArgumentError: ``ctx.device`` is of another type or out of range.
+    """
+    if count is None:
+        count = device_count(device_type)
+    if count <= 0:
+        raise BackendUnavailableError(f"no {device_type} device is visible to this process (torch sees none)")
+    if ctx.device is not None:
+        device = torch.device(ctx.device)
+        if device.type != device_type:
+            raise InvalidArgumentError(f"device {device} given to a backend of {device_type} devices")
+        if device.index is None:
+            return torch.device(device_type, ctx.topology.local_rank % count)
+        if not 0 <= device.index < count:
+            raise InvalidArgumentError(f"device {device} does not exist here: {count} {device_type} device(s) visible")
+        return device
+    return torch.device(device_type, ctx.topology.local_rank % count)
+
+
+def check_device(tensor: torch.Tensor, device: torch.device, backend: str) -> None:
+    """Raise unless ``tensor`` lives on this rank's ``device``.
+
+    Raises:
+        InvalidArgumentError: it lives on another device of the same type.
+    """
+    if tensor.device != device:
+        raise InvalidArgumentError(
+            f"this rank's {backend!r} communicator is on {device}, but a tensor is on {tensor.device}; "
+            f"move it to {device} (call torch.{device.type}.set_device({device.index}) once at start-up "
+            f"and create tensors on '{device.type}')"
+        )

@@ -1,0 +1,986 @@
+"""Device backends on a CPU machine: selection, errors, dtype tables, NCCL id exchange, routing.
+
+The hardware that is absent here (CUDA and Intel GPUs) is replaced by hand-built
+:class:`~smddp.comm.Probe` records and, where a library must answer, by small fakes
+(a ``cupy.cuda.nccl`` module, an MPI communicator). Everything else is real: torch's gloo
+stands in for torch's NCCL behind the same wrapper, with two ranks in two threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import itertools
+import logging
+import os
+import sys
+import threading
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import smddp.comm as comm
+from smddp import _excepthook
+from smddp._topology import Topology
+from smddp.comm import BACKENDS, Probe, choose_backend
+from smddp.comm.base import Communicator, Context, Done, Op, Pending
+from smddp.comm.devices import check_device, companion_backend, pick_device, with_cpu_companion
+from smddp.comm.engine import Engine
+from smddp.comm.nccl import (
+    NCCL_2_10,
+    NCCLCommunicator,
+    all_to_all_plan,
+    decode_unique_id,
+    encode_unique_id,
+    load_nccl,
+    nccl_dtypes,
+    nccl_ops,
+    share_unique_id,
+    stream_mode,
+)
+from smddp.comm.torch_native import TorchBackendCommunicator, WorkPending
+from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError, InvalidTypeError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ONE = Topology()  # plain `python train.py`
+MPI2 = Topology(rank=0, size=2, local_size=2, launcher="openmpi")
+MPI2_RANK1 = Topology(rank=1, size=2, local_rank=1, local_size=2, launcher="openmpi")
+TORCHRUN2 = Topology(rank=0, size=2, local_size=2, launcher="torchrun")
+MPI1 = Topology(rank=0, size=1, launcher="openmpi")  # mpirun -np 1
+
+CPU = Probe()
+CPU_MPI = Probe(mpi4py=True)
+CUDA = Probe(cuda=True, cupy=True, mpi4py=True)
+CUDA_NO_CUPY = Probe(cuda=True, mpi4py=True)
+XPU_XCCL = Probe(xpu=True, xccl=True)
+XPU_CCL = Probe(xpu=True, ccl=True)
+XPU_BARE = Probe(xpu=True)
+
+
+# ---------------------------------------------------------------------------- automatic choice
+@pytest.mark.parametrize(
+    "found, topology, expected",
+    [
+        (CPU, ONE, "local"),
+        (CUDA, ONE, "local"),  # a world of one moves nothing, on any device
+        (XPU_BARE, ONE, "local"),
+        (CPU_MPI, MPI2, "mpi"),
+        (CPU, MPI2, "gloo"),  # MPI launcher, no mpi4py
+        (CPU_MPI, TORCHRUN2, "gloo"),
+        (CUDA, TORCHRUN2, "nccl"),
+        (CUDA, MPI2, "nccl"),
+        (CUDA, MPI1, "nccl"),
+        (CUDA_NO_CUPY, TORCHRUN2, "torch-nccl"),
+        (CUDA_NO_CUPY, MPI2, "torch-nccl"),
+        (Probe(cuda=True, cupy=True, xpu=True, xccl=True), TORCHRUN2, "nccl"),  # CUDA first
+        (XPU_XCCL, TORCHRUN2, "xccl"),
+        (XPU_CCL, MPI2, "xccl"),
+        (Probe(xpu=True, xccl=True, ccl=True, mpi4py=True), MPI2, "xccl"),
+    ],
+)
+def test_automatic_choice(found, topology, expected):
+    assert choose_backend(None, {}, topology, found) == expected
+    assert choose_backend("auto", {}, topology, found) == expected
+    assert choose_backend(None, {"SMDDP_BACKEND": "smddp"}, topology, found) == expected
+
+
+def test_cuda_without_cupy_falls_back_with_a_note_on_rank_0_only(caplog):
+    with caplog.at_level(logging.WARNING, logger="smddp"):
+        assert choose_backend(None, {}, MPI2_RANK1, CUDA_NO_CUPY) == "torch-nccl"
+    assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="smddp"):
+        assert choose_backend(None, {}, MPI2, CUDA_NO_CUPY) == "torch-nccl"
+    (record,) = caplog.records
+    assert "CuPy is not installed" in record.getMessage()
+    assert "smddp[cuda]" in record.getMessage() and "cupy-cuda13x" in record.getMessage()
+
+
+def test_intel_gpu_without_oneccl_says_what_to_install():
+    with pytest.raises(BackendUnavailableError) as err:
+        choose_backend(None, {}, TORCHRUN2, XPU_BARE)
+    message = str(err.value)
+    assert "oneccl_bind_pt" in message and "XCCL" in message and "SMDDP_BACKEND=gloo" in message
+
+
+@pytest.mark.parametrize("topology", [ONE, MPI1, MPI2, MPI2_RANK1, TORCHRUN2])
+def test_every_machine_gets_a_backend_for_its_device(topology):
+    for flags in itertools.product((False, True), repeat=6):
+        found = Probe(*flags)
+        if found.xpu and not (found.cuda or found.xccl or found.ccl) and topology.distributed:
+            with pytest.raises(BackendUnavailableError, match="oneccl_bind_pt"):
+                choose_backend(None, {}, topology, found)
+            continue
+        name = choose_backend(None, {}, topology, found)
+        assert name in BACKENDS
+        if not topology.distributed:
+            assert name == "local"
+        elif found.cuda:
+            assert name == ("nccl" if found.cupy else "torch-nccl")
+        elif found.xpu:
+            assert name == "xccl"
+        else:
+            assert name == ("mpi" if topology.mpi and found.mpi4py else "gloo")
+
+
+# ---------------------------------------------------------------------------- explicit choice
+@pytest.mark.parametrize(
+    "name, found, expected",
+    [
+        ("nccl", CUDA, "nccl"),
+        ("NCCL", CUDA, "nccl"),
+        ("torch-nccl", CUDA, "torch-nccl"),
+        ("torch_nccl", CUDA_NO_CUPY, "torch-nccl"),
+        ("xccl", XPU_XCCL, "xccl"),
+        ("xccl", XPU_CCL, "xccl"),
+        ("ccl", XPU_CCL, "ccl"),
+        ("ccl", Probe(ccl=True), "ccl"),  # oneCCL moves CPU tensors too
+        ("gloo", CUDA, "gloo"),
+        ("mpi", CUDA, "mpi"),
+    ],
+)
+def test_explicit_choice(name, found, expected):
+    assert choose_backend(name, {}, TORCHRUN2, found) == expected
+    assert choose_backend(None, {"SMDDP_BACKEND": name}, TORCHRUN2, found) == expected
+    assert choose_backend(name, {}, ONE, found) == expected  # even in a world of one
+
+
+def test_requested_backend_beats_the_environment():
+    assert choose_backend("gloo", {"SMDDP_BACKEND": "nccl"}, TORCHRUN2, CPU) == "gloo"
+
+
+@pytest.mark.parametrize(
+    "name, found, needles",
+    [
+        ("nccl", CPU, ["needs a CUDA GPU", "torch.cuda.is_available() is False", "'gloo'"]),
+        ("nccl", Probe(xpu=True, xccl=True), ["needs a CUDA GPU"]),
+        ("nccl", CUDA_NO_CUPY, ["needs CuPy", "pip install 'smddp[cuda]'", "cupy-cuda12x", "cupy-cuda13x",
+                                "SMDDP_BACKEND=torch-nccl"]),
+        ("torch-nccl", CPU, ["needs a CUDA GPU"]),
+        ("xccl", CUDA, ["needs an Intel GPU", "torch.xpu.is_available() is False"]),
+        ("xccl", XPU_BARE, ["no XCCL", "oneccl_bind_pt", "torch XPU build >= 2.8"]),
+        ("ccl", XPU_XCCL, ["oneccl_bindings_for_pytorch", "oneccl_bind_pt"]),
+        ("nvlink", CUDA, ["unknown backend 'nvlink'", "nccl", "torch-nccl", "xccl", "ccl", "gloo", "mpi"]),
+    ],
+)
+def test_unavailable_backend_errors_say_what_to_do(name, found, needles):
+    for requested, env in ((name, {}), (None, {"SMDDP_BACKEND": name})):
+        with pytest.raises(BackendUnavailableError) as err:
+            choose_backend(requested, env, TORCHRUN2, found)
+        for needle in needles:
+            assert needle in str(err.value)
+
+
+def test_registry_names_each_device_backends_device_and_install_hint():
+    assert BACKENDS["nccl"].device == BACKENDS["torch-nccl"].device == "cuda"
+    assert BACKENDS["xccl"].device == BACKENDS["ccl"].device == "xpu"
+    assert "cupy-cuda12x" in BACKENDS["nccl"].needs and "cupy-cuda13x" in BACKENDS["nccl"].needs
+    assert "oneccl_bind_pt" in BACKENDS["xccl"].needs
+    for name in ("nccl", "torch-nccl", "xccl", "ccl"):
+        cls = comm.backend_class(name)  # importable without CuPy, oneCCL or a device
+        assert issubclass(cls, Communicator) and cls.name == name
+        assert BACKENDS[name].device in cls.device_types
+
+
+@pytest.mark.parametrize("module", ["devices", "nccl", "torch_native"])
+def test_importing_device_backends_loads_no_device_library(monkeypatch, module):
+    # Fresh copies of the modules, run while importing a device library fails: a
+    # module-level import of CuPy, mpi4py.MPI (it would start MPI) or oneCCL raises here.
+    for name in ("cupy", "cupy.cuda", "mpi4py", "mpi4py.MPI", "oneccl_bindings_for_pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    path = ROOT / "smddp" / "comm" / f"{module}.py"
+    spec = importlib.util.spec_from_file_location(f"_fresh_{module}", path)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.__doc__
+
+
+# ---------------------------------------------------------------------------- constructing here
+def _ctx(topology: Topology = ONE, store=None, device=None) -> Context:
+    return Context(topology, timedelta(seconds=10), store, device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
+@pytest.mark.parametrize("name", ["nccl", "torch-nccl"])
+def test_cuda_backends_fail_clearly_without_a_gpu(name):
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
+        comm.create_communicators(name, _ctx())
+
+
+@pytest.mark.skipif(getattr(torch, "xpu", None) is not None and torch.xpu.is_available(), reason="has an XPU")
+def test_xpu_backends_fail_clearly_without_an_intel_gpu():
+    with pytest.raises(BackendUnavailableError, match="needs an Intel GPU") as err:
+        comm.create_communicators("xccl", _ctx())
+    assert "oneccl_bind_pt" in str(err.value)
+    if not comm._has_module("oneccl_bindings_for_pytorch"):
+        with pytest.raises(BackendUnavailableError, match="oneccl_bind_pt"):
+            comm.create_communicators("ccl", _ctx())
+
+
+# ---------------------------------------------------------------------------- a fake CuPy
+def _fake_cupy(monkeypatch, *, available=True, bf16=True, uid=None, version=22703):
+    """Install a stand-in for ``cupy.cuda.nccl`` (only what smddp calls at load time)."""
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = available
+    constants = dict(NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_INT64=4, NCCL_FLOAT16=6, NCCL_FLOAT32=7,
+                     NCCL_FLOAT64=8, NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3, NCCL_AVG=4)
+    if bf16:
+        constants["NCCL_BFLOAT16"] = 9
+    for key, value in constants.items():
+        setattr(nccl, key, value)
+    if available:
+        nccl.NcclCommunicator = object
+    calls = []
+
+    def get_unique_id():
+        calls.append("get_unique_id")
+        return uid
+
+    nccl.get_unique_id = get_unique_id
+    nccl.get_version = lambda: version
+    nccl.calls = calls
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = nccl
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return nccl
+
+
+def test_load_nccl_without_cupy_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(BackendUnavailableError) as err:
+        load_nccl()
+    for needle in ("pip install 'smddp[cuda]'", "cupy-cuda12x", "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"):
+        assert needle in str(err.value)
+
+
+def test_load_nccl_when_cupy_cannot_find_libnccl(monkeypatch):
+    _fake_cupy(monkeypatch, available=False)
+    with pytest.raises(BackendUnavailableError) as err:
+        load_nccl()
+    assert "libnccl.so.2" in str(err.value) and "nvidia-nccl-cu12" in str(err.value)
+
+
+def test_load_nccl_returns_cupys_module(monkeypatch):
+    fake = _fake_cupy(monkeypatch)
+    assert load_nccl() is fake
+
+
+# ---------------------------------------------------------------------------- dtype and op tables
+NCCL_H = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+          torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_dtype_table_matches_nccl_h_with_or_without_cupys_bf16_constant(monkeypatch, bf16):
+    table = nccl_dtypes(_fake_cupy(monkeypatch, bf16=bf16))
+    assert table == NCCL_H
+    assert set(NCCLCommunicator.dtypes) <= set(table)  # every dtype the engine lets through has a code
+
+
+def test_dtype_table_prefers_cupys_constants():
+    odd = types.SimpleNamespace(NCCL_FLOAT32=70, NCCL_BFLOAT16=90)
+    table = nccl_dtypes(odd)
+    assert table[torch.float32] == 70 and table[torch.bfloat16] == 90 and table[torch.int8] == 0
+
+
+def test_op_table_uses_nccl_avg_from_nccl_2_10():
+    fake = types.SimpleNamespace(NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3)  # no NCCL_AVG constant
+    assert nccl_ops(fake, NCCL_2_10) == {Op.SUM: 0, Op.PRODUCT: 1, Op.MAX: 2, Op.MIN: 3, Op.AVERAGE: 4}
+    assert nccl_ops(fake, 22703)[Op.AVERAGE] == 4
+    assert nccl_ops(fake, 2804)[Op.AVERAGE] is None  # NCCL 2.8.4: sum, then divide
+
+
+# ---------------------------------------------------------------------------- unique id
+X86_ID = tuple([-44, -58, 67, 96, 0, 127, -128, 2] + [0] * 120)  # CuPy < 14 on x86: signed char
+ARM_ID = tuple([212, 198, 67, 96, 0, 127, 128, 2] + [0] * 120)  # CuPy < 14 on ARM: unsigned char
+SMALL_ID = tuple([1, 2, 3] + [0] * 125)  # no byte >= 128: same on both
+BYTES_ID = bytes([212, 198, 67, 96, 0, 127, 128, 2] + [0] * 120)  # CuPy >= 14
+
+
+@pytest.mark.parametrize("uid", [X86_ID, ARM_ID, SMALL_ID, BYTES_ID])
+def test_unique_id_survives_the_store_as_the_same_type_and_values(uid):
+    payload = encode_unique_id(uid)
+    assert isinstance(payload, bytes) and len(payload) == 129
+    back = decode_unique_id(payload)
+    assert type(back) is type(uid) and back == uid
+
+
+def test_unique_id_encodings_carry_the_same_bytes():
+    assert encode_unique_id(X86_ID)[1:] == encode_unique_id(ARM_ID)[1:] == BYTES_ID
+
+
+def test_unique_id_bad_inputs():
+    with pytest.raises(CollectiveError, match="no NCCL unique id"):
+        decode_unique_id(b"something else")
+    with pytest.raises(InvalidArgumentError):
+        encode_unique_id((300,) * 128)
+
+
+@pytest.mark.parametrize("uid", [X86_ID, BYTES_ID])
+def test_unique_id_shared_through_the_store(monkeypatch, uid):
+    fake = _fake_cupy(monkeypatch, uid=uid)
+    store = tdist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    got = {}
+
+    def rank(r: int, generation: int) -> None:
+        topology = Topology(rank=r, size=2, local_rank=r, local_size=2, launcher="torchrun")
+        got[(r, generation)] = share_unique_id(fake, topology, store, generation)
+
+    threads = [threading.Thread(target=rank, args=(r, g)) for g in (0, 1) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(got) == 4
+    for value in got.values():
+        assert type(value) is type(uid) and value == uid
+    assert fake.calls == ["get_unique_id"] * 2  # rank 0 only, once per communicator
+    assert store.check(["smddp/nccl/0/unique_id", "smddp/nccl/1/unique_id"])
+
+
+def test_unique_id_broadcast_over_mpi(monkeypatch):
+    fake = _fake_cupy(monkeypatch, uid=X86_ID)
+
+    class FakeMPI:
+        def __init__(self, received):
+            self.received, self.sent = received, []
+
+        def bcast(self, obj, root=0):
+            self.sent.append((obj, root))
+            return obj if obj is not None else self.received
+
+    root = FakeMPI(None)
+    assert share_unique_id(fake, MPI2, mpi_comm=root) == X86_ID
+    assert root.sent == [(X86_ID, 0)]
+    other = FakeMPI(X86_ID)
+    assert share_unique_id(fake, MPI2_RANK1, mpi_comm=other) == X86_ID
+    assert other.sent == [(None, 0)]  # only rank 0 creates an id
+    assert fake.calls == ["get_unique_id"]
+
+
+def test_unique_id_world_of_one_needs_no_exchange(monkeypatch):
+    fake = _fake_cupy(monkeypatch, uid=BYTES_ID)
+    assert share_unique_id(fake, ONE) == BYTES_ID
+
+
+def test_unique_id_without_store_or_mpi_says_how_to_launch(monkeypatch):
+    fake = _fake_cupy(monkeypatch, uid=BYTES_ID)
+    with pytest.raises(BackendUnavailableError, match="mpirun"):
+        share_unique_id(fake, TORCHRUN2, store=None)
+
+
+# ---------------------------------------------------------------------------- all_to_all and streams
+def test_all_to_all_plan_uneven_counts():
+    calls, own = all_to_all_plan(1, 3, output_counts=[4, 3, 0], input_counts=[2, 3, 1])
+    assert calls == [("send", 0, 0, 2), ("recv", 0, 0, 4), ("send", 2, 5, 1)]
+    assert own == (4, 2, 3)  # output offset, input offset, count
+    calls, own = all_to_all_plan(0, 2, output_counts=[0, 5], input_counts=[0, 0])
+    assert calls == [("recv", 1, 0, 5)] and own is None
+
+
+def test_all_to_all_plan_rejects_bad_counts():
+    with pytest.raises(InvalidArgumentError, match="sends 2 elements to itself but expects 3"):
+        all_to_all_plan(0, 2, output_counts=[3, 1], input_counts=[2, 2])
+    with pytest.raises(InvalidArgumentError, match="need 2 counts"):
+        all_to_all_plan(0, 2, output_counts=[1], input_counts=[1, 1])
+
+
+def test_stream_mode_from_environment():
+    assert stream_mode({}) == "current"
+    assert stream_mode({"SMDDP_NCCL_STREAM": "Side"}) == "side"
+    with pytest.raises(InvalidArgumentError, match="SMDDP_NCCL_STREAM"):
+        stream_mode({"SMDDP_NCCL_STREAM": "other"})
+
+
+# ---------------------------------------------------------------------------- devices
+def test_pick_device_from_local_rank_or_context():
+    topo = Topology(rank=5, size=8, local_rank=5, local_size=8, launcher="torchrun")
+    assert pick_device(_ctx(topo), "cuda", count=8) == torch.device("cuda", 5)
+    assert pick_device(_ctx(topo), "cuda", count=1) == torch.device("cuda", 0)  # one visible device per rank
+    assert pick_device(_ctx(topo, device=torch.device("cuda", 2)), "cuda", count=8) == torch.device("cuda", 2)
+    assert pick_device(_ctx(topo, device="xpu"), "xpu", count=4) == torch.device("xpu", 1)
+    with pytest.raises(BackendUnavailableError, match="no cuda device"):
+        pick_device(_ctx(topo), "cuda", count=0)
+    with pytest.raises(InvalidArgumentError):
+        pick_device(_ctx(topo, device="cpu"), "cuda", count=8)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        pick_device(_ctx(topo, device="cuda:9"), "cuda", count=8)
+
+
+def test_check_device_names_the_fix():
+    check_device(torch.empty(1, device="meta"), torch.device("meta"), "nccl")
+    with pytest.raises(InvalidArgumentError, match=r"set_device\(0\)"):
+        check_device(torch.empty(1), torch.device("cuda", 0), "nccl")
+
+
+@pytest.mark.parametrize(
+    "topology, mpi4py, expected",
+    [(ONE, True, "local"), (MPI1, True, "mpi"), (MPI2, True, "mpi"), (MPI2, False, "gloo"),
+     (TORCHRUN2, True, "gloo")],
+)
+def test_cpu_companion_of_a_device_backend(topology, mpi4py, expected):
+    assert companion_backend(topology, mpi4py) == expected
+
+
+# ---------------------------------------------------------------------------- routing
+class Recorder(Communicator):
+    """A communicator that records what reaches it and completes at once."""
+
+    name = "recorder"
+
+    def __init__(self, ctx: Context, name: str = "recorder", device_types=("cpu",)):
+        super().__init__(ctx)
+        self.name, self.device_types = name, tuple(device_types)
+        self.calls, self.closed = [], 0
+
+    def _record(self, op, *tensors):
+        self.calls.append((op, tuple(t.device.type for t in tensors)))
+        return Done()
+
+    def all_reduce(self, tensor, op, tag):
+        return self._record("all_reduce", tensor)
+
+    def broadcast(self, tensor, src, tag):
+        return self._record("broadcast", tensor)
+
+    def all_gather(self, output, input, tag):
+        return self._record("all_gather", output, input)
+
+    def all_to_all_single(self, output, input, output_counts, input_counts, tag):
+        return self._record("all_to_all_single", output, input)
+
+    def barrier(self, tag):
+        return self._record("barrier")
+
+    def close(self):
+        self.closed += 1
+
+
+def test_cpu_tensors_of_a_gpu_job_go_to_the_cpu_communicator():
+    device = Recorder(_ctx(), "fake-nccl", ("cuda",))
+    cpu = Recorder(_ctx(), "fake-gloo")
+    engine = Engine({"cuda": device, "cpu": cpu}, timeout=5)
+    assert engine.backend == "fake-nccl"
+    loss = torch.tensor([1.5])
+    engine.all_reduce(loss, Op.AVERAGE)
+    engine.broadcast(torch.zeros(3), 0)
+    engine.all_gather([torch.zeros(2)], torch.ones(2))
+    engine.all_to_all_single(torch.zeros(4), torch.ones(4))
+    engine.barrier()
+    assert [c[0] for c in cpu.calls] == ["all_reduce", "broadcast", "all_gather", "all_to_all_single"]
+    assert all(set(types_) == {"cpu"} for _, types_ in cpu.calls)
+    assert device.calls == [("barrier", ())]  # the job's backend runs barriers
+    with pytest.raises(BackendUnavailableError, match="does not serve meta tensors.*cpu, cuda"):
+        engine.all_reduce(torch.empty(2, device="meta"), Op.SUM)
+    engine.close()
+    assert device.closed == cpu.closed == 1
+
+
+def test_device_tensors_go_to_the_device_communicator():
+    # "meta" stands in for an accelerator: routing only looks at the device type
+    device = Recorder(_ctx(), "fake-device", ("meta",))
+    cpu = Recorder(_ctx(), "fake-cpu")
+    engine = Engine({"meta": device, "cpu": cpu}, timeout=5)
+    engine.all_reduce(torch.empty(4, device="meta"), Op.SUM)
+    engine.all_gather_into_tensor(torch.empty(4, device="meta"), torch.empty(4, device="meta"))
+    engine.all_reduce(torch.ones(1), Op.SUM)
+    assert device.calls == [("all_reduce", ("meta",)), ("all_gather", ("meta", "meta"))]
+    assert cpu.calls == [("all_reduce", ("cpu",))]
+
+
+def test_a_stream_aware_pending_completes_on_its_first_test():
+    class StreamOrderedStub(Pending):
+        tests = 0
+
+        def test(self):
+            StreamOrderedStub.tests += 1
+            return True
+
+        def stream_aware(self):
+            return True
+
+    class Device(Recorder):
+        def all_reduce(self, tensor, op, tag):
+            return StreamOrderedStub()
+
+    engine = Engine({"meta": Device(_ctx(), "dev", ("meta",))}, timeout=5)
+    handle = engine.all_reduce(torch.empty(1, device="meta"), Op.SUM, async_op=True)
+    assert handle.wait() and StreamOrderedStub.tests == 1
+
+
+def test_with_cpu_companion_pairs_and_cleans_up(monkeypatch):
+    made = []
+
+    def make(ctx):
+        made.append(Recorder(ctx, "fake-nccl", ("cuda",)))
+        return made[-1]
+
+    comms = with_cpu_companion("cuda", make, _ctx())
+    assert list(comms) == ["cuda", "cpu"] and comms["cuda"] is made[0]
+    assert comms["cpu"].name == "local"  # a world of one started without a launcher
+
+    class Broken(Recorder):
+        def __init__(self, ctx):
+            raise BackendUnavailableError("no gloo here")
+
+    monkeypatch.setattr(comm, "backend_class", lambda name: Broken)
+    with pytest.raises(BackendUnavailableError, match="no gloo here"):
+        with_cpu_companion("cuda", make, _ctx(TORCHRUN2), companion="gloo")
+    assert made[-1].closed == 1  # the device communicator does not leak
+
+
+# ---------------------------------------------------------------------------- torch Work wrapper
+class FakeWork:
+    def __init__(self, done_after: int = 0, error: Exception = None):
+        self.polls, self.waits, self.done_after, self.error = 0, 0, done_after, error
+
+    def is_completed(self):
+        self.polls += 1
+        return self.polls > self.done_after
+
+    def wait(self):
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_stream_ordered_work_is_waited_on_not_polled():
+    work = FakeWork(done_after=100)
+    pending = WorkPending(work, stream_ordered=True)
+    assert pending.stream_aware() and pending.test() and pending.test()
+    assert work.polls == 0 and work.waits == 1
+
+
+def test_polled_work_runs_its_follow_up_once_and_raises_errors():
+    after = []
+    work = FakeWork(done_after=2)
+    pending = WorkPending(work, stream_ordered=False, after=lambda: after.append(1))
+    assert not pending.stream_aware()
+    assert [pending.test() for _ in range(4)] == [False, False, True, True]
+    assert after == [1] and work.waits == 1
+    with pytest.raises(RuntimeError, match="peer died"):
+        WorkPending(FakeWork(error=RuntimeError("peer died")), stream_ordered=False).test()
+
+
+class GlooStandIn(TorchBackendCommunicator):
+    """torch's gloo behind the wrapper that serves torch's NCCL and XCCL."""
+
+    name = "gloo-standin"
+    device_types = ("cpu",)
+    device_type = "cpu"
+
+
+def _two_ranks(body):
+    """Run ``body(rank, engine)`` on two ranks (threads) over torch gloo; return their results."""
+    store = tdist.HashStore()
+    results, errors = {}, []
+
+    def rank(r: int) -> None:
+        try:
+            topology = Topology(rank=r, size=2, local_rank=r, local_size=2, launcher="torchrun")
+            backend = tdist.ProcessGroupGloo(tdist.PrefixStore("t", store), r, 2, timedelta(seconds=20))
+            engine = Engine({"cpu": GlooStandIn(_ctx(topology), backend=backend)}, timeout=20)
+            results[r] = body(r, engine)
+            engine.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert len(results) == 2, "a rank did not finish"
+    return results
+
+
+def test_torch_backend_wrapper_runs_every_collective_and_op():
+    inputs = torch.stack([torch.tensor([1.0, -2.0, 3.0]), torch.tensor([4.0, 5.0, -6.0])])
+
+    def body(r, engine):
+        out = {}
+        for op in Op:
+            t = inputs[r].clone()
+            engine.all_reduce(t, op)
+            out[op] = t
+        ints = torch.tensor([7, 2]) * (r + 1)
+        engine.all_reduce(ints, Op.AVERAGE)
+        out["int_average"] = ints
+        b = inputs[r].clone()
+        engine.broadcast(b, 1)
+        out["broadcast"] = b
+        gathered = [torch.zeros(3), torch.zeros(3)]
+        engine.all_gather(gathered, inputs[r])
+        out["all_gather"] = torch.stack(gathered)
+        # uneven splits: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3 to 0, 0 to itself
+        src = torch.arange(3.0) + 10 * r
+        dst = torch.zeros(4 if r == 0 else 2)
+        splits_in = [1, 2] if r == 0 else [3, 0]
+        splits_out = [1, 3] if r == 0 else [2, 0]
+        engine.all_to_all_single(dst, src, splits_out, splits_in)
+        out["all_to_all"] = dst
+        handle = engine.barrier(async_op=True)
+        out["barrier"] = handle.wait()
+        return out
+
+    results = _two_ranks(body)
+    expected = {
+        Op.SUM: inputs.sum(0), Op.AVERAGE: inputs.mean(0), Op.MIN: inputs.min(0).values,
+        Op.MAX: inputs.max(0).values, Op.PRODUCT: inputs.prod(0),
+    }
+    for r in range(2):
+        for op, value in expected.items():
+            assert torch.equal(results[r][op], value), (r, op)
+        assert results[r]["int_average"].tolist() == [10, 3]  # (7+14)//2, (2+4)//2
+        assert torch.equal(results[r]["broadcast"], inputs[1])
+        assert torch.equal(results[r]["all_gather"], inputs)
+        assert results[r]["barrier"] is True
+    assert results[0]["all_to_all"].tolist() == [0.0, 10.0, 11.0, 12.0]
+    assert results[1]["all_to_all"].tolist() == [1.0, 2.0]
+
+
+# ---------------------------------------------------------------------------- NCCLCommunicator on a stand-in
+# CuPy's NCCL calls take raw device pointers and a stream handle. The stand-in below
+# performs them on host memory (ranks are threads meeting at a barrier), and CUDA streams
+# and events are recorded rather than run, so the communicator's own code (pointer and
+# offset arithmetic, dtype and op codes, grouping, completion, teardown) runs here.
+_CODE_DTYPES = {code: dtype for dtype, code in NCCL_H.items()}
+
+
+def _host_view(ptr: int, count: int, code: int) -> torch.Tensor:
+    dtype = _CODE_DTYPES[code]
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
+
+
+class _World:
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.slots = [None] * size
+        self.mail = {}
+        self.lock = threading.Lock()
+
+
+class HostNccl(types.ModuleType):
+    """``cupy.cuda.nccl`` on host memory."""
+
+    def __init__(self, version: int = 22703):
+        super().__init__("cupy.cuda.nccl")
+        self.available, self.version = True, version
+        for dtype, code in NCCL_H.items():
+            setattr(self, {torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8", torch.int32: "NCCL_INT32",
+                           torch.int64: "NCCL_INT64", torch.float16: "NCCL_FLOAT16", torch.float32: "NCCL_FLOAT32",
+                           torch.float64: "NCCL_FLOAT64", torch.bfloat16: "NCCL_BFLOAT16"}[dtype], code)
+        self.NCCL_SUM, self.NCCL_PROD, self.NCCL_MAX, self.NCCL_MIN, self.NCCL_AVG = 0, 1, 2, 3, 4
+        self.worlds, self.lock, self.local = {}, threading.Lock(), threading.local()
+        self.comms, self.op_codes = [], []
+        nccl = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev, uid, rank):
+                assert isinstance(uid, bytes) and len(uid) == 128
+                with nccl.lock:
+                    self.world = nccl.worlds.setdefault(uid, _World(ndev))
+                self.rank, self.error, self.destroyed, self.aborted = rank, None, False, False
+                nccl.comms.append(self)
+
+            def _exchange(self, value):
+                w = self.world
+                w.slots[self.rank] = value
+                w.barrier.wait()
+                values = list(w.slots)
+                w.barrier.wait()
+                return values
+
+            def allReduce(self, send, recv, count, code, op, stream):  # noqa: N802 - CuPy's names
+                nccl.op_codes.append(op)
+                stack = torch.stack(self._exchange(_host_view(send, count, code).clone()))
+                wide = stack.double() if stack.is_floating_point() else stack.long()
+                result = {0: lambda: wide.sum(0), 1: lambda: wide.prod(0), 2: lambda: wide.max(0).values,
+                          3: lambda: wide.min(0).values,
+                          4: lambda: wide.sum(0) / self.world.size if stack.is_floating_point()
+                          else torch.div(wide.sum(0), self.world.size, rounding_mode="trunc")}[op]()
+                _host_view(recv, count, code).copy_(result.to(stack.dtype))
+
+            def broadcast(self, send, recv, count, code, root, stream):
+                values = self._exchange(_host_view(send, count, code).clone())
+                _host_view(recv, count, code).copy_(values[root])
+
+            def allGather(self, send, recv, count, code, stream):  # noqa: N802
+                values = self._exchange(_host_view(send, count, code).clone())
+                _host_view(recv, count * self.world.size, code).copy_(torch.cat(values))
+
+            def send(self, ptr, count, code, peer, stream):
+                with self.world.lock:
+                    self.world.mail[(self.rank, peer)] = _host_view(ptr, count, code).clone()
+                nccl.local.group.append(None)
+
+            def recv(self, ptr, count, code, peer, stream):
+                nccl.local.group.append((self, ptr, count, code, peer))
+
+            def check_async_error(self):
+                if self.error:
+                    raise RuntimeError(self.error)
+
+            def destroy(self):
+                self.destroyed = True
+
+            def abort(self):
+                self.aborted = True
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_unique_id(self):
+        return os.urandom(128)
+
+    def get_version(self):
+        return self.version
+
+    def groupStart(self):  # noqa: N802
+        self.local.group = []
+
+    def groupEnd(self):  # noqa: N802
+        calls, self.local.group = self.local.group, None
+        comms = [c for c in calls if c is not None]
+        world = comms[0][0].world if comms else self.comms[-1].world
+        world.barrier.wait()  # every send of every rank is posted
+        for owner, ptr, count, code, peer in comms:
+            _host_view(ptr, count, code).copy_(world.mail[(peer, owner.rank)])
+        world.barrier.wait()
+
+
+class FakeStream:
+    def __init__(self, handle: int = 1, device=None):
+        self.cuda_stream, self.device, self.waited, self.waited_streams = handle, torch.device("cpu"), [], []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+    def wait_stream(self, stream):
+        self.waited_streams.append(stream)
+
+
+class FakeEvent:
+    def __init__(self, **kwargs):
+        self.stream = None
+
+    def record(self, stream=None):
+        self.stream = stream
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def host_nccl(monkeypatch):
+    """CuPy's NCCL on host memory, and CUDA streams that record; tensors stay on the CPU."""
+    import smddp.comm.nccl as nccl_module
+
+    fake = HostNccl()
+    runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl, cuda.runtime = fake, runtime
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", fake)):
+        monkeypatch.setitem(sys.modules, name, module)
+    current = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(current, "stream", DEFAULT))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(nccl_module, "pick_device", lambda ctx, kind: torch.device("cpu"))
+    monkeypatch.setattr(nccl_module, "_generation", PerThreadCount())  # each thread is a process here
+    fake.current = current
+    fake.runtime = runtime
+    DEFAULT.waited.clear()
+    DEFAULT.waited_streams.clear()
+    return fake
+
+
+DEFAULT = FakeStream(1)
+
+
+class PerThreadCount:
+    """``itertools.count()`` per thread: the per-process count of a rank that is a thread."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    def __next__(self) -> int:
+        value = getattr(self.local, "value", 0)
+        self.local.value = value + 1
+        return value
+
+
+def _nccl_ranks(fake: HostNccl, size: int, body):
+    """``body(rank, engine, comm)`` on ``size`` ranks of NCCLCommunicator (threads)."""
+    store = tdist.HashStore()
+    results, errors = {}, []
+
+    def rank(r: int) -> None:
+        try:
+            topology = Topology(rank=r, size=size, local_rank=r, local_size=size,
+                                launcher="torchrun" if size > 1 else "none")
+            nccl_comm = NCCLCommunicator(_ctx(topology, store=store))
+            # the stand-in's tensors live on the CPU: route them to the NCCL communicator
+            results[r] = body(r, Engine({"cpu": nccl_comm}, timeout=20), nccl_comm)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            for world in list(fake.worlds.values()):
+                world.barrier.abort()  # the other ranks stop waiting at once
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert len(results) == size, "a rank did not finish"
+    return results
+
+
+@pytest.mark.parametrize("version", [22703, 2804])  # with ncclAvg, and before it (sum, then divide)
+def test_nccl_communicator_collectives_on_two_ranks(host_nccl, version):
+    host_nccl.version = version
+    stack = torch.stack([torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([4.0, 5.0, -6.0, 0.25])])
+    floats = (torch.float32, torch.bfloat16) if version >= NCCL_2_10 else (torch.float32,)
+
+    def body(r, engine, nccl_comm):
+        out = {}
+        if version < NCCL_2_10:  # ncclBfloat16 came with NCCL 2.10: refused before any call
+            with pytest.raises(InvalidTypeError, match="bfloat16"):
+                engine.all_reduce(torch.ones(2, dtype=torch.bfloat16), Op.SUM)
+        for op in Op:
+            for dtype in (*floats, torch.int64):
+                t = (stack[r] * 4).to(dtype) if dtype == torch.int64 else stack[r].clone().to(dtype)
+                engine.all_reduce(t, op)
+                out[(op, dtype)] = t
+        b = torch.arange(6, dtype=torch.float16) * (r + 1)
+        engine.broadcast(b, 1)
+        out["broadcast"] = b
+        slots = [torch.zeros(2, 3, dtype=torch.int32) for _ in range(2)]
+        engine.all_gather(slots, torch.full((2, 3), r + 7, dtype=torch.int32))
+        out["all_gather"] = torch.stack(slots)
+        # uneven, 8-byte and 2-byte elements: offsets are counted in elements, moved in bytes
+        for dtype in (torch.int64, torch.float16):
+            src = (torch.arange(5) + 10 * r).to(dtype)
+            splits_in, splits_out = ([2, 3], [2, 1]) if r == 0 else ([1, 4], [3, 4])
+            dst = torch.full((sum(splits_out),), -1).to(dtype)
+            engine.all_to_all_single(dst, src, splits_out, splits_in)
+            out[("all_to_all", dtype)] = dst
+        out["barrier"] = engine.barrier(async_op=True).wait()
+        engine.close()
+        out["destroyed"] = nccl_comm._comm is None
+        return out
+
+    results = _nccl_ranks(host_nccl, 2, body)
+    for r in range(2):
+        got = results[r]
+        for dtype in floats:
+            values = stack.to(dtype).double()
+            assert torch.equal(got[(Op.SUM, dtype)].double(), values.sum(0).to(dtype).double())
+            assert torch.equal(got[(Op.AVERAGE, dtype)].double(), values.mean(0).to(dtype).double())
+            assert torch.equal(got[(Op.MIN, dtype)].double(), values.min(0).values)
+            assert torch.equal(got[(Op.MAX, dtype)].double(), values.max(0).values)
+            assert torch.equal(got[(Op.PRODUCT, dtype)].double(), values.prod(0).to(dtype).double())
+        ints = (stack * 4).long()
+        assert got[(Op.SUM, torch.int64)].tolist() == ints.sum(0).tolist()
+        assert got[(Op.AVERAGE, torch.int64)].tolist() == torch.div(ints.sum(0), 2, rounding_mode="trunc").tolist()
+        assert torch.equal(got["broadcast"], torch.arange(6, dtype=torch.float16) * 2)
+        assert got["all_gather"][:, 0, 0].tolist() == [7, 8]
+        assert got["barrier"] is True and got["destroyed"]
+    for dtype in (torch.int64, torch.float16):
+        assert results[0][("all_to_all", dtype)].tolist() == [0, 1, 10]
+        assert results[1][("all_to_all", dtype)].tolist() == [2, 3, 4, 11, 12, 13, 14]
+    assert all(c.destroyed and not c.aborted for c in host_nccl.comms)
+    avg_code = 4 if version >= NCCL_2_10 else None
+    assert (4 in host_nccl.op_codes) == (avg_code == 4)
+
+
+def test_nccl_communicator_world_of_one_and_device_setup(host_nccl):
+    def body(r, engine, nccl_comm):
+        t = torch.tensor([3.0, 4.0])
+        engine.all_reduce(t, Op.AVERAGE)
+        out = torch.zeros(4)
+        engine.all_gather_into_tensor(out, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        a2a = torch.zeros(3, dtype=torch.int64)
+        engine.all_to_all_single(a2a, torch.tensor([5, 6, 7]))
+        return t, out, a2a, nccl_comm
+
+    t, out, a2a, nccl_comm = _nccl_ranks(host_nccl, 1, body)[0]
+    assert t.tolist() == [3.0, 4.0] and out.tolist() == [1.0, 2.0, 3.0, 4.0] and a2a.tolist() == [5, 6, 7]
+    assert host_nccl.runtime.devices == [nccl_comm.device.index]  # CuPy's device set before the communicator
+    assert nccl_comm.nccl_version == 22703 and torch.bfloat16 in nccl_comm.dtypes
+
+
+def test_nccl_pending_orders_the_waiting_stream(host_nccl):
+    def body(r, engine, nccl_comm):
+        handle = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
+        assert handle._pending.stream_aware()
+        event = handle._pending.event
+        assert event.stream is DEFAULT  # recorded on the stream the collective was enqueued on
+        other = FakeStream(2)
+        host_nccl.current.stream = other
+        handle.wait()  # from another stream: that stream waits on the collective's event
+        host_nccl.current.stream = DEFAULT
+        same = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
+        same.wait()
+        return other.waited == [event], DEFAULT.waited
+
+    waited_other, waited_default = _nccl_ranks(host_nccl, 1, body)[0]
+    assert waited_other and waited_default == []
+
+
+def test_nccl_async_error_fails_the_collective_and_teardown_aborts(host_nccl):
+    def body(r, engine, nccl_comm):
+        nccl_comm._comm.error = "remote process exited"
+        with pytest.raises(CollectiveError, match="remote process exited"):
+            engine.all_reduce(torch.ones(2), Op.SUM)
+        raw = nccl_comm._comm
+        engine.close()
+        _excepthook.forget(engine)  # a broken engine would end pytest's process at exit
+        return raw
+
+    raw = _nccl_ranks(host_nccl, 1, body)[0]
+    assert raw.aborted and not raw.destroyed
+
+
+def test_nccl_side_stream_mode(host_nccl, monkeypatch):
+    side = FakeStream(7)
+    recorded = []
+    monkeypatch.setenv("SMDDP_NCCL_STREAM", "side")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)))
+
+    def body(r, engine, nccl_comm):
+        t = torch.ones(3)
+        handle = engine.all_reduce(t, Op.SUM, async_op=True)
+        event = handle._pending.event
+        handle.wait()
+        return nccl_comm.stream_mode, event, t
+
+    mode, event, t = _nccl_ranks(host_nccl, 1, body)[0]
+    assert mode == "side"
+    assert event.stream is side  # the collective ran on the side stream...
+    assert side.waited_streams and side.waited_streams[0] is DEFAULT  # ...after the current stream's work
+    assert recorded and recorded[0][0] is t and recorded[0][1] is side  # its memory is kept for the side stream
+    assert DEFAULT.waited[-1] is event  # and the current stream waits for it on wait()
