@@ -43,6 +43,41 @@ def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], result
     return engine._start(op_name, start, True, result, check=check)
 
 
+class Holding(Pending):
+    """``pending``, keeping ``held`` alive until it completes.
+
+    Libraries read and write buffers by address while an operation is in flight; a buffer
+    that only a start function referenced would otherwise be freed under them.
+    """
+
+    __slots__ = ("_pending", "_held")
+
+    def __init__(self, pending: Pending, *held):
+        self._pending, self._held = pending, held
+
+    def test(self) -> bool:
+        if self._pending.test():
+            self._held = ()
+            return True
+        return False
+
+    def stream_aware(self) -> bool:
+        return self._pending.stream_aware()
+
+
+def _then(pending: Pending, action: Callable[[], object]) -> Pending:
+    """``action()`` once ``pending`` completes.
+
+    A stream-ordered collective (NCCL) is complete for every kernel queued after it on the
+    caller's stream: the action is queued there at once, so whatever the caller orders after
+    the call (FSDP records an event) also follows the action.
+    """
+    if pending.stream_aware():
+        action()
+        return pending
+    return Then(pending, action)
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1)
 
@@ -93,8 +128,8 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
     counts = [n] * engine.size
 
     def start(seq: int) -> Pending:
-        return Then(comm.all_to_all_single(rows.view(-1), src, counts, counts, seq),
-                    lambda: reduce_rows(rows, op, output))
+        pending = comm.all_to_all_single(rows.view(-1), src, counts, counts, seq)
+        return _then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
     return _start(engine, "reduce_scatter_tensor", start, [output], check)
@@ -153,7 +188,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
             out.detach().copy_(buf[r * n:(r + 1) * n].view(out.shape))
 
     def start(seq: int) -> Pending:
-        return Then(comm.all_to_all_single(buf, src, receive, send, seq), unpack)
+        return _then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
     return _start(engine, "gather", start, [list(outs)], check)
@@ -181,8 +216,8 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     receive = [n if r == src else 0 for r in range(engine.size)]
 
     def start(seq: int) -> Pending:
-        pending = comm.all_to_all_single(buf.view(-1), packed, receive, send, seq)
-        return Then(pending, after) if after else pending
+        pending = Holding(comm.all_to_all_single(buf.view(-1), packed, receive, send, seq), packed, buf)
+        return _then(pending, after) if after else pending
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "scatter", start, [output], check)
@@ -214,7 +249,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
             offset += count
 
     def start(seq: int) -> Pending:
-        return Then(comm.all_to_all_single(buf, packed, receive, send, seq), unpack)
+        return _then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "all_to_all", start, [list(outs)], check)
@@ -294,7 +329,7 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
     engine._check_usable()
     comm = engine._comm_for(tensor)
     src = tensor.detach().contiguous()
-    return _p2p(engine, f"send to rank {dst} (tag {tag})", comm.send(src, dst, tag), [tensor])
+    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src), [tensor])
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
@@ -315,8 +350,9 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
     comm = engine._comm_for(tensor)
     buf, after = engine._inplace(tensor)
     pending = comm.recv(buf, src, tag)
+    held = Holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
-    handle = _p2p(engine, f"recv from {peer} (tag {tag})", Then(pending, after) if after else pending, [tensor])
+    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held, [tensor])
     return handle, lambda: pending.source
 
 

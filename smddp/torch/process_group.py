@@ -221,6 +221,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         tensor = _single(tensors, "reduce")
+        self.engine._check_rank(opts.rootRank if opts is not None else 0, "dst")
         return Work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor])
 
     def gather(self, output_tensors, input_tensors, opts=None):
