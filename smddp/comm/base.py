@@ -46,6 +46,9 @@ class Pending(abc.ABC):
         """True when completion is ordered on a device stream (no host wait needed)."""
         return False
 
+    # A subclass may also define ``block(seconds)``: sleep until the operation completes or
+    # ``seconds`` pass, without polling. The engine then sleeps on it instead of spinning.
+
 
 class Done(Pending):
     """An operation that completed when it was started."""

@@ -42,6 +42,10 @@ from smddp.errors import (
 # finish within it, and a stalled peer does not cost a whole core for long.
 _HOT_POLLS = 4000
 _WARM_POLLS = 40000
+# A Pending with ``block(seconds)`` (a library that completes on its own threads, like gloo)
+# is slept on in slices of this many seconds instead of polled: polling takes the CPU from
+# the very threads doing the work.
+_BLOCK_SLICE = 0.5
 
 # How errors name an all-reduce started inside autograd's backward (DDP's gradient buckets).
 _BACKWARD_ALL_REDUCE = "all_reduce (during backward: DDP gradients)"
@@ -100,11 +104,17 @@ class Handle:
             CollectiveError: it failed.
         """
         deadline = self.deadline if timeout is None else time.monotonic() + timeout
+        block = getattr(self._pending, "block", None)
         polls = 0
         try:
             while not self.is_completed():
                 polls += 1
-                if polls > _HOT_POLLS:
+                if block is not None:
+                    if time.monotonic() > deadline:
+                        self._expire()
+                        break
+                    block(min(_BLOCK_SLICE, max(0.0, deadline - time.monotonic())))
+                elif polls > _HOT_POLLS:
                     if time.monotonic() > deadline:
                         self._expire()
                         break
@@ -374,11 +384,14 @@ class Engine:
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective in the caller's thread: no handle, no lock."""
         started = self._last_start = time.monotonic()
+        block = getattr(pending, "block", None)
         polls = 0
         try:
             while not pending.test():
                 polls += 1
-                if polls > _HOT_POLLS:
+                if block is not None and time.monotonic() - started <= self.timeout:
+                    block(min(_BLOCK_SLICE, max(0.0, started + self.timeout - time.monotonic())))
+                elif polls > _HOT_POLLS or block is not None:
                     if time.monotonic() - started > self.timeout:
                         handle = Handle(self, seq, op_name, pending)
                         handle._expire()

@@ -6,6 +6,7 @@ operation (gloo runs it on its own threads) and completes through its Work.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -27,10 +28,20 @@ _GLOO_OPS = {
 class _Work(Pending):
     """A gloo Work, then what must follow it on this rank (divide, copy back)."""
 
-    __slots__ = ("_work", "_after")
+    __slots__ = ("_work", "_after", "_finished")
 
     def __init__(self, work, after=None):
         self._work, self._after = work, after
+        self._finished: Optional[threading.Event] = None
+
+    def block(self, seconds: float) -> None:
+        """Sleep until gloo's thread completes the work or ``seconds`` pass."""
+        if self._work is None:
+            return
+        if self._finished is None:
+            self._finished = threading.Event()
+            self._work.get_future().add_done_callback(lambda _: self._finished.set())
+        self._finished.wait(seconds)
 
     def test(self) -> bool:
         if self._work is not None:

@@ -84,10 +84,12 @@ class _Requests(Pending):
     the same order on every rank, whichever thread later progresses them.
     """
 
-    __slots__ = ("_stages", "_current")
+    __slots__ = ("_stages", "_current", "_keep")
 
-    def __init__(self, stages: Iterator[List]):
+    def __init__(self, stages: Iterator[List], *keep: torch.Tensor):
         self._stages = stages
+        # MPI holds raw addresses: the tensors must outlive the requests, even temporaries.
+        self._keep = keep
         self._current: Optional[List] = next(stages, None)
 
     def test(self) -> bool:
@@ -168,13 +170,13 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- the rest
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        return _Requests(iter([[self.comm.Ibcast(_buffer(tensor), root=src)]]))
+        return _Requests(iter([[self.comm.Ibcast(_buffer(tensor), root=src)]]), tensor)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         # The receive count is per rank, as MPI_Allgather counts it.
         nbytes = input.numel() * input.element_size()
         recv = [_buffer(output)[0], nbytes, MPI.BYTE]
-        return _Requests(iter([[self.comm.Iallgather(_buffer(input), recv)]]))
+        return _Requests(iter([[self.comm.Iallgather(_buffer(input), recv)]]), input, output)
 
     def all_to_all_single(
         self,
@@ -189,7 +191,7 @@ class MPICommunicator(Communicator):
         recv_counts = [c * size for c in output_counts]
         send = [_buffer(input)[0], (send_counts, _displacements(send_counts)), MPI.BYTE]
         recv = [_buffer(output)[0], (recv_counts, _displacements(recv_counts)), MPI.BYTE]
-        return _Requests(iter([[self.comm.Ialltoallv(send, recv)]]))
+        return _Requests(iter([[self.comm.Ialltoallv(send, recv)]]), input, output)
 
     def barrier(self, tag: int) -> Pending:
         return _Requests(iter([[self.comm.Ibarrier()]]))

@@ -377,8 +377,9 @@ def register() -> None:
     """Register the ``"smddp"`` backend with ``torch.distributed`` (idempotent).
 
     Also lets ``torch.distributed.init_process_group(backend="smddp")`` run under an MPI
-    launcher with no ``MASTER_ADDR``/``MASTER_PORT``: the ``env://`` rendezvous falls back to
-    meeting over MPI when the launcher is MPI and those variables are missing.
+    launcher with no ``MASTER_ADDR``/``MASTER_PORT`` (the ``env://`` rendezvous meets over MPI
+    when those variables are missing) and as a plain ``python train.py`` (a world of one).
+    Every other case goes to torch's own ``env://``.
     """
     _compat.register_backend(BACKEND_NAME, _create, ("cpu", "cuda", "xpu"))
     handlers = _compat.rendezvous_handlers()
@@ -388,7 +389,9 @@ def register() -> None:
 
     def env_or_mpi(url, timeout=_compat.default_timeout(), **kwargs):
         topology = discover(os.environ)
-        if topology.mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        plain = not topology.distributed and "RANK" not in os.environ
+        if plain or (topology.mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ)):
+            # An MPI job meets over MPI; a plain `python train.py` is a world of one.
             from smddp.comm.rendezvous import make_store
 
             yield make_store(topology, timeout), topology.rank, topology.size
