@@ -175,9 +175,13 @@ def driver(args: argparse.Namespace) -> dict:
                 print(f"ddp_step: job {job + 1}/{args.jobs}, {np} rank(s)", file=sys.stderr, flush=True)
                 found = _launch(np, args, os.path.join(tmp, f"{job}-{np}.json"))
                 meta = {k: found[k] for k in ("params", "backend", "bucket_mb")} if np > 1 else meta
+                job_samples: Dict[str, List[float]] = {c: [] for c in CONTENDERS}
                 for rank in found["per_rank"]:
                     for name, values in rank["times"].items():
                         samples[np][name].extend(values)
+                        job_samples[name].extend(values)
+                print("ddp_step:   medians " + ", ".join(f"{c} {_median_ms(v):.1f} ms" for c, v in job_samples.items())
+                      + f"; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     report = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "machine": {"cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
