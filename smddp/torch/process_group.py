@@ -176,13 +176,20 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def _finish_backward(self, task: int) -> None:
         # Poll, yielding the CPU to any other runnable thread between polls, for at most
-        # _FINISH_SECONDS; past that, the progress thread completes the rest as usual.
+        # _FINISH_SECONDS; past that, the progress thread completes the rest as usual. An
+        # operation that completes on a thread of its own (its Pending has block()) is slept
+        # on instead: polling would only take the CPU from that thread.
         give_up = time.monotonic() + _FINISH_SECONDS
         for handle in self._backward_handles.pop(task, ()):
+            block = getattr(handle._pending, "block", None)
             while not handle.is_completed():
-                if time.monotonic() > give_up:
+                left = give_up - time.monotonic()
+                if left <= 0:
                     return
-                _yield_cpu()
+                if block is not None:
+                    block(left)
+                else:
+                    _yield_cpu()
 
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")
