@@ -27,6 +27,13 @@ def test_mpi_backend(np):
 
 
 @pytest.mark.mpi
+def test_mpi_backend_blocking_large_messages():
+    """The other large-message path: MPI's blocking all-reduce on a worker thread."""
+    env = {"SMDDP_MPI_LARGE_ALLREDUCE": "blocking"}
+    assert_all_ranks_passed(mpirun(3, [SCRIPT, "mpi"], timeout=240, env=env), 3)
+
+
+@pytest.mark.mpi
 def test_gloo_backend_under_mpirun():
     """SMDDP_BACKEND=gloo under mpirun: the ranks meet over MPI, no MASTER_ADDR needed."""
     assert_all_ranks_passed(mpirun(2, [SCRIPT, "gloo"], timeout=240, env={"SMDDP_BACKEND": "gloo"}), 2)
