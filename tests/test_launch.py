@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from launchers import MPIRUN, ROOT, SCRIPTS, base_env, run
 
 from smddp import _alias, launch
+
+from launchers import MPIRUN, ROOT, SCRIPTS, base_env, run
 
 _SCRIPT_SMDDPRUN = Path(sysconfig.get_path("scripts")) / "smddprun"
 # The installed console script when there is one, so its entry point is exercised too.

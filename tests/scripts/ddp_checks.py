@@ -91,9 +91,9 @@ def check_api() -> None:
     assert DDP(net(0), bucket_cap_mb=2).bucket_bytes_cap == 2 * 1024 * 1024
     assert DDP(net(0), process_group=dist.group.WORLD) is not None
     assert DDP(net(0), process_group=tdist.group.WORLD) is not None  # torch's default group is smddp's
-    assert model.gradient_as_bucket_view, "smddp's default is gradient_as_bucket_view=True"
-    flags = DDP(net(0), gradient_as_bucket_view=False, find_unused_parameters=True)
-    assert not flags.gradient_as_bucket_view and flags.find_unused_parameters
+    assert not model.gradient_as_bucket_view, "torch's default gradient_as_bucket_view=False is kept"
+    flags = DDP(net(0), gradient_as_bucket_view=True, find_unused_parameters=True)
+    assert flags.gradient_as_bucket_view and flags.find_unused_parameters
     ok("api")
 
 
@@ -243,7 +243,7 @@ def main() -> None:
     check_errors(gloo)
     check_exact("exact", start_seed=0)
     check_exact("exact_small_buckets_different_start", start_seed=RANK, bucket_cap_mb=0.0001, buckets="many")
-    check_exact("exact_passthrough", start_seed=RANK, gradient_as_bucket_view=False, static_graph=True)
+    check_exact("exact_passthrough", start_seed=RANK, gradient_as_bucket_view=True, static_graph=True)
     check_no_sync()
     check_buffers(True)
     check_buffers(False)

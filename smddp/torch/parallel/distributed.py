@@ -99,11 +99,8 @@ class DistributedDataParallel(_TorchDDP):
             the gradient reduction of each bucket can overlap with backward computation;
             ``bucket_cap_mb`` is the bucket size in megabytes (MB). Defaults to 25.
         **kwargs: other arguments of ``torch.nn.parallel.DistributedDataParallel``, passed
-            through: ``find_unused_parameters``, ``static_graph``, ``dim``, ...
-            ``gradient_as_bucket_view`` defaults to ``True`` here (torch's default is
-            ``False``): ``.grad`` tensors are views into the all-reduce buckets, which saves a
-            copy of every gradient per step and the memory of one. Do not ``detach_()`` them;
-            pass ``gradient_as_bucket_view=False`` for torch's behaviour.
+            through with torch's defaults: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``dim``, ...
 
     Raises:
         NotInitializedError: smddp is not initialized (a ``RuntimeError``).
@@ -136,9 +133,6 @@ class DistributedDataParallel(_TorchDDP):
         else:
             kwargs["broadcast_buffers"] = bool(broadcast_buffers)
             sync_buffers_now = not broadcast_buffers
-        # Gradients live in the communication buckets: one 4-bytes-per-parameter copy less
-        # per step, and less memory. Pass gradient_as_bucket_view=False for torch's default.
-        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(
             module,
             device_ids=device_ids,
