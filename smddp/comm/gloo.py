@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.errors import BackendUnavailableError
 
 _GLOO_OPS = {
@@ -100,10 +100,7 @@ class GlooCommunicator(Communicator):
 
         def after() -> None:
             if op is Op.AVERAGE:
-                if work.is_floating_point():
-                    work.div_(self.size)
-                else:
-                    work.div_(self.size, rounding_mode="trunc")
+                average(work, self.size)
             if work is not tensor:
                 tensor.copy_(work)
 

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
-from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
@@ -78,13 +78,6 @@ def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
         torch.maximum(acc, incoming, out=acc)
     else:
         acc.mul_(incoming)
-
-
-def _average(t: torch.Tensor, size: int) -> None:
-    if t.is_floating_point():
-        t.div_(size)
-    else:
-        t.div_(size, rounding_mode="trunc")
 
 
 class _Requests(Pending):
@@ -181,7 +174,7 @@ class MPICommunicator(Communicator):
 
         def after() -> None:
             if op is Op.AVERAGE:
-                _average(work, self.size)
+                average(work, self.size)
             if work is not tensor:
                 tensor.copy_(work)
 
@@ -219,7 +212,7 @@ class MPICommunicator(Communicator):
             else:
                 yield [self.comm.Iallreduce(MPI.IN_PLACE, _buffer(work, _MPI_TYPES[work.dtype]), op=_MPI_OPS[op])]
         if op is Op.AVERAGE:
-            _average(work, self.size)
+            average(work, self.size)
         if work is not tensor:
             tensor.copy_(work)
 

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from smddp._topology import Topology
-from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.devices import CUDA_INSTALL, check_device, pick_device, with_cpu_companion
 from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError
 
@@ -307,13 +307,6 @@ class HostPolled(Pending):
         return self.event.query()
 
 
-def _divide(tensor: torch.Tensor, size: int) -> None:
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
-
-
 # ---------------------------------------------------------------------------- communicator
 class NCCLCommunicator(Communicator):
     """Collectives on CUDA tensors through NCCL, called with CuPy's bindings.
@@ -411,7 +404,7 @@ class NCCLCommunicator(Communicator):
                            stream.cuda_stream)
             if code is None:
                 with torch.cuda.stream(stream):
-                    _divide(tensor, self.size)
+                    average(tensor, self.size)
         return self._ordered(stream)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (
     BroadcastOptions,
 )
 
-from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.devices import (
     TORCH_CUDA_INSTALL,
     XPU_INSTALL,
@@ -80,13 +80,6 @@ class WorkPending(Pending):
 
     def stream_aware(self) -> bool:
         return self._stream_ordered
-
-
-def _divide(tensor: torch.Tensor, size: int) -> None:
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
 
 
 class TorchBackendCommunicator(Communicator):
@@ -153,9 +146,9 @@ class TorchBackendCommunicator(Communicator):
         if self.stream_ordered:
             # Order the division on the caller's stream now, not in whichever thread tests.
             work.wait()
-            _divide(tensor, self.size)
+            average(tensor, self.size)
             return WorkPending(None, True)
-        return WorkPending(work, False, lambda: _divide(tensor, self.size))
+        return WorkPending(work, False, lambda: average(tensor, self.size))
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         self._check(tensor)

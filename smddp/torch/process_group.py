@@ -8,6 +8,7 @@ thread, so torch's DDP overlaps gradient reduction with backward.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -366,6 +367,7 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
             "smddp supports one process group, group.WORLD; new_group() with the smddp backend is "
             "not supported (pass backend='gloo' to new_group for a CPU subgroup)"
         )
+    _tear_down_at_exit()
     rank, size = options.group_rank, options.group_size
     topology = _topology(rank, size)
     timeout = _timeout(options.timeout)
@@ -409,9 +411,52 @@ def register() -> None:
     handlers["env"] = env_or_mpi
 
 
+_exit_hook_registered = False
+
+
+def _tear_down_at_exit() -> None:
+    """Destroy the group when the interpreter exits, before it stops its threads.
+
+    Registered before the engine exists, so it runs after the engine's own exit handling
+    (``atexit`` runs handlers last-in first-out). Left to interpreter shutdown, gloo's and
+    the engine's threads can wake while Python is finalizing and abort the process
+    ("terminate called without an active exception") after the script has succeeded.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+
+    def tear_down() -> None:
+        if current() is None:
+            return
+        try:
+            destroy()
+            tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
+            pass
+
+    atexit.register(tear_down)
+
+
 def destroy() -> None:
     """Close the engine and forget the group (torch's own group is destroyed by the caller)."""
     global _current
     if _current is not None:
         _current.engine.close()
+        _shut_down_native(_current)
         _current = None
+
+
+def _shut_down_native(group: SmddpProcessGroup) -> None:
+    """Stop the torch-native backends' threads now.
+
+    A script may keep the group object alive (``pg = dist.group.WORLD``) past
+    ``destroy_process_group()``; its gloo backend would then be torn down during interpreter
+    shutdown, where its threads abort the process after the script has succeeded.
+    """
+    for device in list(group.native_backends):
+        try:
+            group._get_backend(torch.device(device)).shutdown()
+        except Exception:  # noqa: BLE001 - a backend without shutdown, or already gone
+            pass
