@@ -39,6 +39,18 @@ def average(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size, rounding_mode="trunc")
 
 
+def combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
+    """Fold ``incoming`` into ``acc`` in place with ``op`` (AVERAGE folds as a sum)."""
+    if op in (Op.SUM, Op.AVERAGE):
+        acc.add_(incoming)
+    elif op is Op.MIN:
+        torch.minimum(acc, incoming, out=acc)
+    elif op is Op.MAX:
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        acc.mul_(incoming)
+
+
 class Pending(abc.ABC):
     """An operation in flight.
 

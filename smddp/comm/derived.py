@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import Op, Pending, Then
+from smddp.comm.base import Op, Pending, Then, combine
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -92,14 +92,7 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
     """
     acc = rows[0].to(torch.float32 if rows.dtype in _HALF else rows.dtype, copy=True)
     for row in rows[1:]:
-        if op in (Op.SUM, Op.AVERAGE):
-            acc.add_(row)
-        elif op is Op.MIN:
-            torch.minimum(acc, row, out=acc)
-        elif op is Op.MAX:
-            torch.maximum(acc, row, out=acc)
-        else:
-            acc.mul_(row)
+        combine(acc, row, op)
     if op is Op.AVERAGE:
         if acc.is_floating_point() or acc.is_complex():
             acc.div_(rows.shape[0])

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
-from smddp.comm.base import Communicator, Context, Op, Pending, average
+from smddp.comm.base import Communicator, Context, Op, Pending, average, combine
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
@@ -67,17 +67,6 @@ def _buffer(t: torch.Tensor, datatype=None):
     if datatype is None:
         return [mem, nbytes, MPI.BYTE]
     return [mem, t.numel(), datatype]
-
-
-def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
-    if op in (Op.SUM, Op.AVERAGE):
-        acc.add_(incoming)
-    elif op is Op.MIN:
-        torch.minimum(acc, incoming, out=acc)
-    elif op is Op.MAX:
-        torch.maximum(acc, incoming, out=acc)
-    else:
-        acc.mul_(incoming)
 
 
 class _Requests(Pending):
@@ -227,7 +216,7 @@ class MPICommunicator(Communicator):
             incoming = scratch[: recv.numel()]
             yield [self.comm.Irecv(_buffer(incoming), source=left, tag=tag),
                    self.comm.Isend(_buffer(send), dest=right, tag=tag)]
-            _combine(recv, incoming, op)
+            combine(recv, incoming, op)
         # All-gather the reduced chunks around the ring.
         for step in range(n - 1):
             send, recv = chunks[(r + 1 - step) % n], chunks[(r - step) % n]
