@@ -135,16 +135,7 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
         InvalidArgumentError: not one input per rank, or sizes that differ from ``output``'s.
     """
     inputs = _tensor_list(input_list, "input_list")
-    if len(inputs) != engine.size:
-        raise InvalidArgumentError(
-            f"reduce_scatter: input_list has {len(inputs)} tensors; it needs one per rank ({engine.size})"
-        )
-    for i, t in enumerate(inputs):
-        if t.numel() != output.numel():
-            raise InvalidArgumentError(
-                f"reduce_scatter: input_list[{i}] has shape {tuple(t.shape)}, the output has "
-                f"{tuple(output.shape)}: every input must have the output's number of elements"
-            )
+    engine._check_per_rank(inputs, output, "reduce_scatter", "input_list", "output")
     engine._comm_for(output, *inputs)
     return reduce_scatter_tensor(engine, output, torch.cat([_flat(t) for t in inputs]), op)
 
@@ -169,7 +160,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
     root = engine.rank == dst
     outs = _tensor_list(outputs, "gather_list") if root else []
     if root:
-        _check_per_rank(engine, outs, n, "gather", "gather_list", "input")
+        engine._check_per_rank(outs, input, "gather", "gather_list", "input")
     comm = engine._comm_for(input, *outs)
     src = _flat(input)
     buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
@@ -201,7 +192,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     root = engine.rank == src
     ins = _tensor_list(inputs, "scatter_list") if root else []
     if root:
-        _check_per_rank(engine, ins, n, "scatter", "scatter_list", "output")
+        engine._check_per_rank(ins, output, "scatter", "scatter_list", "output")
     comm = engine._comm_for(output, *ins)
     packed = torch.cat([_flat(t) for t in ins]) if root else output.new_empty(0)
     buf, after = engine._inplace(output)
@@ -370,13 +361,3 @@ def _tensor_list(tensors, what: str) -> List[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
     return list(tensors)
-
-
-def _check_per_rank(engine: Engine, tensors: List[torch.Tensor], n: int, op: str, what: str, other: str) -> None:
-    if len(tensors) != engine.size:
-        raise InvalidArgumentError(f"{op}: {what} has {len(tensors)} tensors; it needs one per rank ({engine.size})")
-    for i, t in enumerate(tensors):
-        if t.numel() != n:
-            raise InvalidArgumentError(
-                f"{op}: {what}[{i}] has {t.numel()} elements; the {other} has {n}: they must match"
-            )

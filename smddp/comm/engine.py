@@ -455,16 +455,7 @@ class Engine:
         if not isinstance(tensor_list, (list, tuple)):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
         comm = self._comm_for(tensor, *tensor_list)
-        if len(tensor_list) != self.size:
-            raise InvalidArgumentError(
-                f"all_gather: tensor_list has {len(tensor_list)} tensors; it needs one per rank ({self.size})"
-            )
-        for i, out in enumerate(tensor_list):
-            if out.numel() != tensor.numel():
-                raise InvalidArgumentError(
-                    f"all_gather: tensor_list[{i}] has shape {tuple(out.shape)}, the input has "
-                    f"{tuple(tensor.shape)}: every output must have the input's number of elements"
-                )
+        self._check_per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
         src = tensor.detach().contiguous()
         flat = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
 
@@ -525,6 +516,19 @@ class Engine:
         return self._start("barrier", self.primary.barrier, async_op, [], None if self._debug is None else ("barrier",))
 
     # ------------------------------------------------------------------ validation
+    def _check_per_rank(
+        self, tensors: Sequence[torch.Tensor], reference: torch.Tensor, op: str, what: str, other: str
+    ) -> None:
+        """``tensors`` holds one tensor per rank, each with ``reference``'s number of elements."""
+        if len(tensors) != self.size:
+            raise InvalidArgumentError(f"{op}: {what} has {len(tensors)} tensors; it needs one per rank ({self.size})")
+        for i, t in enumerate(tensors):
+            if t.numel() != reference.numel():
+                raise InvalidArgumentError(
+                    f"{op}: {what}[{i}] has shape {tuple(t.shape)}, the {other} has shape "
+                    f"{tuple(reference.shape)}: they must have the same number of elements"
+                )
+
     def _check_rank(self, rank, what: str) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise InvalidTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
