@@ -3,7 +3,10 @@
 ``python -m smddp._bootstrap [-m module | script.py] [args]`` gives the process what
 SageMaker's runner gives it, then runs the program as ``python script.py args`` would:
 
-- ``SMDATAPARALLEL_LOCAL_RANK`` from the launcher's topology (Hugging Face reads it);
+- ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``SMDATAPARALLEL_LOCAL_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT`` and ``SAGEMAKER_INSTANCE_TYPE`` from the launcher's own
+  variables (:mod:`smddp._runtime`); values already set win, but a ``RANK`` or ``WORLD_SIZE``
+  that contradicts the launcher ends the process with an error naming both;
 - the ``smdistributed`` import alias (:mod:`smddp._alias`), unless
   ``SMDDP_ALIAS_SMDISTRIBUTED=0``;
 - an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
@@ -20,11 +23,11 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _alias
-from smddp._topology import Topology, discover
+from smddp import _alias, _runtime
+from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
+from smddp.errors import InvalidArgumentError
 
-#: Set by smddprun's own launcher to its pid: the process follows smddprun's death.
-LAUNCHER_PID_ENV = "SMDDP_LAUNCHER_PID"
+__all__ = ["LAUNCHER_PID_ENV", "ALIAS_ENV", "main"]
 #: ``0`` turns the smdistributed import alias off.
 ALIAS_ENV = "SMDDP_ALIAS_SMDISTRIBUTED"
 
@@ -42,12 +45,19 @@ def _split(argv: Sequence[str]) -> Tuple[Optional[str], Optional[str], List[str]
     return argv[0], None, list(argv[1:])
 
 
-def _topology() -> Topology:
+def _prepare_environment() -> Topology:
+    """Read this process's place in the job and export it; a contradiction ends the process."""
     try:
-        return discover(os.environ)
+        topo = discover(os.environ)
+        _runtime.fill(os.environ, topo)
+    except InvalidArgumentError as exc:
+        print(f"smddp: error: {exc}", file=sys.stderr, flush=True)
+        _abort_mpi_job(2)  # the broadcast of MASTER_ADDR may have started MPI: end every rank
+        raise SystemExit(2) from None
     except ValueError as exc:
         print(f"smddp: cannot read this process's rank ({exc}); assuming a world of one", file=sys.stderr)
         return Topology()
+    return topo
 
 
 def _follow_launcher() -> None:
@@ -112,8 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """
     script, module, args = _split(sys.argv[1:] if argv is None else argv)
     _follow_launcher()
-    topo = _topology()
-    os.environ["SMDATAPARALLEL_LOCAL_RANK"] = str(topo.local_rank)
+    topo = _prepare_environment()
     if os.environ.get(ALIAS_ENV, "1") != "0":
         _alias.enable(note=topo.rank == 0)
     try:

@@ -28,13 +28,14 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from smddp._bootstrap import LAUNCHER_PID_ENV
-from smddp.errors import SMDDPError
+from smddp import _runtime
+from smddp._topology import LAUNCHER_PID_ENV, first_slurm_host
+from smddp.errors import InvalidArgumentError, SMDDPError
 
 #: Variables forwarded to every rank by name (when set), besides the prefixes below.
 FORWARD_NAMES = (
     "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
-    "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RDMAV_FORK_SAFE",
+    "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RDMAV_FORK_SAFE", "SAGEMAKER_INSTANCE_TYPE",
 )
 #: Prefixes of variables forwarded to every rank.
 FORWARD_PREFIXES = ("SMDDP_", "NCCL_", "FI_", "SM_")
@@ -263,11 +264,7 @@ def _oversubscribed(nproc: int, slots: List[Tuple[str, Optional[int]]], env: Map
     return False
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+free_port = _runtime.free_port
 
 
 # ---------------------------------------------------------------- finding mpirun
@@ -313,23 +310,64 @@ def single_host(opts: Options, env: Mapping[str, str]) -> bool:
     return not (opts.hosts or opts.hostfile or any(name in env for name in _ALLOCATIONS))
 
 
+def _first_host(opts: Options, env: Mapping[str, str]) -> Optional[str]:
+    """The job's first host, where rank 0 runs: from ``-H``/the hostfile, a Slurm allocation, or here."""
+    slots = _host_slots(opts)
+    if slots:
+        return slots[0][0]
+    if "SLURM_JOB_ID" in env:
+        return first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    if single_host(opts, env):
+        return "127.0.0.1"
+    return None  # PBS or LSF decides: rank 0 sends its address to the others at start
+
+
+def _check_user_ranks(env: Mapping[str, str], nproc: int) -> None:
+    """A ``RANK``/``WORLD_SIZE`` exported by hand must describe the job smddprun starts."""
+    size = env.get("WORLD_SIZE")
+    if size not in (None, "") and size != str(nproc):
+        raise LaunchError(f"WORLD_SIZE={size} is set, but smddprun starts {nproc} processes (WORLD_SIZE={nproc}): "
+                          f"unset WORLD_SIZE or pass -np {size}")
+    rank = env.get("RANK")
+    if rank not in (None, "") and (rank != "0" or nproc > 1):
+        raise LaunchError(f"RANK={rank} is set for every process, but smddprun gives each its own rank "
+                          f"(RANK=0 to RANK={nproc - 1}): unset RANK")
+
+
 def job_environment(opts: Options, env: Mapping[str, str], local: bool = False) -> Dict[str, str]:
     """The environment every rank starts from: ``env`` plus ``-x`` values and smddp's settings.
+
+    Every rank meets at ``MASTER_ADDR`` (the first host: of ``-H``/the hostfile, of the Slurm
+    allocation, else ``127.0.0.1``) and ``MASTER_PORT`` (a port free here), unless set.
 
     Args:
         opts: the command line.
         env: smddprun's own environment.
-        local: smddprun starts the ranks itself; they meet at ``MASTER_ADDR=127.0.0.1`` and a
-            free ``MASTER_PORT``. Under mpirun the ranks meet over MPI and need neither.
+        local: smddprun starts the ranks itself (no mpirun).
+
+    Raises:
+        LaunchError: ``RANK``/``WORLD_SIZE`` contradict the job, or ``MASTER_PORT`` is taken here.
     """
     out = dict(env)
     for spec in opts.exports:
         name, sep, value = spec.partition("=")
         if sep:
             out[name] = value
+    _check_user_ranks(out, opts.nproc or 1)
     if local:
-        out["MASTER_ADDR"] = "127.0.0.1"
-        out.setdefault("MASTER_PORT", str(free_port()))
+        out.setdefault("MASTER_ADDR", "127.0.0.1")
+    elif not out.get("MASTER_ADDR"):
+        first = _first_host(opts, env)
+        if first:
+            out["MASTER_ADDR"] = first
+    if out.get("MASTER_PORT"):
+        if local or out.get("MASTER_ADDR") in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn()):
+            try:
+                _runtime.check_port_free(int(out["MASTER_PORT"]), "set")
+            except (ValueError, InvalidArgumentError) as exc:
+                raise LaunchError(str(exc)) from None
+    else:
+        out["MASTER_PORT"] = str(free_port())
     if local or single_host(opts, env):
         # As torchrun does: N processes each with a thread per core would fight over the cores.
         out.setdefault("OMP_NUM_THREADS", str(max(physical_cores() // (opts.nproc or 1), 1)))

@@ -117,8 +117,10 @@ def test_dry_run_shows_the_openmpi_command(tmp_path):
                   "--mpi-args", "--bind-to none", "missing_train.py", "--epochs", "1"],
                  timeout=30, env={"SMDDP_MPIRUN": MPIRUN, "NCCL_DEBUG": "INFO", "SMDDP_X": "1"}).check()
     cmd = result.stdout.strip()
-    assert "MASTER_ADDR" not in cmd  # under mpirun the ranks meet over MPI
     words = cmd.split()
+    # One rendezvous address and port for the job, forwarded to every rank (SageMaker's MASTER_*).
+    assert "MASTER_ADDR=127.0.0.1" in words and "-x MASTER_ADDR " in cmd and "-x MASTER_PORT " in cmd
+    assert int(next(w for w in words if w.startswith("MASTER_PORT="))[len("MASTER_PORT="):]) > 0
     mpirun_at = next(i for i, w in enumerate(words) if w.endswith(("mpirun", "mpiexec")))
     assert words[mpirun_at + 1:mpirun_at + 3] == ["-np", "3"]
     assert "--tag-output" in words
@@ -138,8 +140,10 @@ def test_dry_run_speaks_mpich_to_hydra(tmp_path):
     result = run([*PY_LAUNCH, "-np", "4", "-H", "a:2,b:2", "--dry-run", "-x", "FOO=1", "train.py"],
                  timeout=30, env={"SMDDP_MPIRUN": str(fake)}).check()
     words = result.stdout.split()
-    assert words[0] == "FOO=1" and words[1] == str(fake), result.stdout  # nothing else set across hosts
-    assert words[2:6] == ["-n", "4", "-hosts", "a:2,b:2"]
+    # Only FOO and the job's rendezvous point (the first host) are set across hosts.
+    assert words[0] == "FOO=1" and words[1] == "MASTER_ADDR=a" and words[3] == str(fake), result.stdout
+    assert words[2].startswith("MASTER_PORT=")
+    assert words[4:8] == ["-n", "4", "-hosts", "a:2,b:2"]
     assert "-prepend-rank" in words and "FOO" in words[words.index("-genvlist") + 1].split(",")
 
 

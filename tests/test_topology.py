@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
+from smddp import _runtime
 from smddp._topology import Topology, discover
+from smddp.errors import InvalidArgumentError
 
 CASES = [
     ("plain python", {}, Topology()),
@@ -31,8 +35,17 @@ CASES = [
      Topology(3, 4, 1, 2, 1, "gpu003", None, "slurm")),
     ("slurm uneven tasks per node", {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "0",
                                      "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
-                                     "SLURM_LAUNCH_NODE_IPADDR": "10.1.1.1", "MASTER_PORT": "1234"},
-     Topology(2, 3, 0, 1, 1, "10.1.1.1", 1234, "slurm")),
+                                     "SLURM_STEP_NODELIST": "a1,b2", "MASTER_PORT": "1234"},
+     Topology(2, 3, 0, 1, 1, "a1", 1234, "slurm")),
+    # Rank 0 runs on the step's first node, not on the node that ran srun (a login node under salloc).
+    ("slurm: address from the step's first node, port from the job id",
+     {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_NODELIST": "node[05-09]",
+      "SLURM_LAUNCH_NODE_IPADDR": "10.9.9.9", "SLURM_JOB_ID": "4812345"},
+     Topology(1, 2, 1, 2, 0, "node07", 17345, "slurm")),
+    ("slurm: the job's node list when the step's is missing",
+     {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_NODELIST": "cpu-a,cpu-b", "SLURM_JOB_ID": "7"},
+     Topology(0, 1, 0, 1, 0, "cpu-a", 15007, "slurm")),
     ("slurm batch shell is not a job", {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
      Topology()),
     ("sagemaker, two hosts", {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2", "SM_NUM_GPUS": "0"},
@@ -43,9 +56,18 @@ CASES = [
                                           "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_SIZE": "16",
                                           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"},
      Topology(9, 16, 1, 8, 1, None, None, "openmpi")),
-    ("torchrun wins over MPI", {"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
-                                "OMPI_COMM_WORLD_SIZE": "2"},
-     Topology(0, 2, 0, 2, 0, None, None, "torchrun")),
+    # smddp._bootstrap exports RANK/WORLD_SIZE under mpirun: the MPI variables still decide.
+    ("MPI wins over an agreeing RANK", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                        "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                                        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     Topology(1, 2, 1, 2, 0, None, None, "openmpi")),
+    ("torchrun inside an mpirun job", {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                                       "TORCHELASTIC_RUN_ID": "x", "OMPI_COMM_WORLD_RANK": "1",
+                                       "OMPI_COMM_WORLD_SIZE": "2"},
+     Topology(5, 8, 1, 4, 1, None, None, "torchrun")),
+    ("smddprun's own launcher", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SMDDP_LAUNCHER_PID": "7",
+                                 "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"},
+     Topology(1, 2, 1, 2, 0, None, None, "torchrun")),
 ]
 
 
@@ -81,3 +103,73 @@ def test_flags():
     assert discover({"PMI_RANK": "0", "PMI_SIZE": "1"}).mpi
     assert discover({"RANK": "0", "WORLD_SIZE": "1"}).distributed
     assert not discover({"RANK": "0", "WORLD_SIZE": "1"}).mpi
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"RANK": "3", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, ("RANK=3", "RANK=1")),
+    ({"RANK": "1", "WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+     ("WORLD_SIZE=4", "WORLD_SIZE=2")),
+    ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}, ("RANK=0", "RANK=1")),
+    ({"WORLD_SIZE": "8", "PMI_RANK": "0", "PMI_SIZE": "2"}, ("WORLD_SIZE=8", "WORLD_SIZE=2")),
+])
+def test_rank_set_by_hand_that_contradicts_the_launcher(env, named):
+    with pytest.raises(InvalidArgumentError) as info:
+        discover(env)
+    for value in named:
+        assert value in str(info.value)
+
+
+MPI_RANK1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+
+
+def test_runtime_variables_from_the_launcher():
+    env = {**MPI_RANK1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
+           "SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"}
+    added = _runtime.fill(env, discover(env))
+    assert added == {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
+                     "SMDATAPARALLEL_LOCAL_RANK": "1", "SAGEMAKER_INSTANCE_TYPE": "ml.p4d.24xlarge"}
+    assert discover(env).launcher == "openmpi"  # what was exported does not change who launched
+
+
+def test_runtime_variables_set_by_the_user_win():
+    env = {**MPI_RANK1, "LOCAL_RANK": "0", "SMDATAPARALLEL_LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1",
+           "SAGEMAKER_INSTANCE_TYPE": "ml.g5.xlarge", "SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"}
+    _runtime.fill(env, discover(env))
+    assert (env["LOCAL_RANK"], env["SMDATAPARALLEL_LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+        "0", "0", "a", "1")
+    assert env["SAGEMAKER_INSTANCE_TYPE"] == "ml.g5.xlarge"
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"SM_TRAINING_ENV": '{"current_instance_type": "ml.p3.16xlarge"}'}, "ml.p3.16xlarge"),
+    ({"SM_FRAMEWORK_PARAMS": '{"sagemaker_instance_type": "ml.p4de.24xlarge"}'}, "ml.p4de.24xlarge"),
+    ({"SM_FRAMEWORK_PARAMS": "not json"}, None),
+    ({}, None),
+])
+def test_instance_type(env, expected):
+    assert _runtime.instance_type(env) == expected
+
+
+def test_a_plain_process_is_not_given_a_rank():
+    env = {"PATH": "/bin"}
+    assert _runtime.fill(env, discover(env)) == {}
+    assert not discover(env).distributed
+
+
+def test_slurm_task_gets_the_derived_address_and_port():
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_JOB_ID": "55"}
+    _runtime.fill(env, discover(env))
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "2", "n3", "15055")
+
+
+def test_master_port_in_use_is_named_on_rank_0():
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        with pytest.raises(InvalidArgumentError, match=f"MASTER_PORT={port} .*already in use"):
+            _runtime.fill(env, discover(env))

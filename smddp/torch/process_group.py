@@ -24,7 +24,7 @@ from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidGroupError
-from smddp.torch import _compat, _native
+from smddp.torch import _compat, _native, _rendezvous
 
 BACKEND_NAME = "smddp"
 
@@ -385,30 +385,12 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
 def register() -> None:
     """Register the ``"smddp"`` backend with ``torch.distributed`` (idempotent).
 
-    Also lets ``torch.distributed.init_process_group(backend="smddp")`` run under an MPI
-    launcher with no ``MASTER_ADDR``/``MASTER_PORT`` (the ``env://`` rendezvous meets over MPI
-    when those variables are missing) and as a plain ``python train.py`` (a world of one).
-    Every other case goes to torch's own ``env://``.
+    Also teaches torch's ``env://``, ``tcp://`` and ``file://`` rendezvous to read the job
+    from the launcher (:mod:`smddp.torch._rendezvous`): under ``mpirun`` or ``srun`` no
+    ``MASTER_ADDR``/``MASTER_PORT`` is needed, and a plain ``python train.py`` is a world of one.
     """
     _compat.register_backend(BACKEND_NAME, _create, ("cpu", "cuda", "xpu"))
-    handlers = _compat.rendezvous_handlers()
-    original = handlers.get("env")
-    if original is None or getattr(original, "_smddp", False):
-        return
-
-    def env_or_mpi(url, timeout=_compat.default_timeout(), **kwargs):
-        topology = discover(os.environ)
-        plain = not topology.distributed and "RANK" not in os.environ
-        if plain or (topology.mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ)):
-            # An MPI job meets over MPI; a plain `python train.py` is a world of one.
-            from smddp.comm.rendezvous import make_store
-
-            yield make_store(topology, timeout), topology.rank, topology.size
-            return
-        yield from original(url, timeout=timeout, **kwargs)
-
-    env_or_mpi._smddp = True
-    handlers["env"] = env_or_mpi
+    _rendezvous.install()
 
 
 _exit_hook_registered = False

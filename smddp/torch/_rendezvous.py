@@ -1,0 +1,66 @@
+"""torch's ``init_method`` schemes, taught to read the job from any launcher smddp knows.
+
+``torch.distributed.init_process_group(backend="smddp")`` then works as scripts written for
+SageMaker expect, whatever started the processes:
+
+- ``env://`` (the default) without ``MASTER_ADDR``/``MASTER_PORT``: an MPI job meets over MPI,
+  an ``srun`` job at the address and port derived from the Slurm job, a plain
+  ``python train.py`` is a world of one. With both variables set, torch's own ``env://`` runs.
+- ``tcp://host:port`` and ``file:///path`` without ``?rank=..&world_size=..``: rank and world
+  size come from the launcher (torch alone would refuse them). Given, they are torch's.
+
+The schemes are torch's process-wide table, so this applies to every backend; it only turns
+what torch would refuse into a working rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
+
+from smddp._topology import discover
+from smddp.torch import _compat
+
+
+def _env_or_launcher(original: Callable) -> Callable:
+    def env_or_launcher(url, timeout=_compat.default_timeout(), **kwargs):
+        topology = discover(os.environ)
+        have_master = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+        plain = not topology.distributed and "RANK" not in os.environ
+        derived = topology.distributed and topology.launcher != "torchrun" and not have_master
+        if plain or derived:
+            from smddp.comm.rendezvous import make_store
+
+            yield make_store(topology, timeout), topology.rank, topology.size
+            return
+        yield from original(url, timeout=timeout, **kwargs)
+
+    return env_or_launcher
+
+
+def _ranks_from_launcher(original: Callable) -> Callable:
+    def ranks_from_launcher(url, **kwargs):
+        parsed = urlparse(url)
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        if "rank" not in query or "world_size" not in query:
+            topology = discover(os.environ)
+            if topology.distributed:
+                query.setdefault("rank", str(topology.rank))
+                query.setdefault("world_size", str(topology.size))
+                url = urlunparse(parsed._replace(query=urlencode(query)))
+        yield from original(url, **kwargs)
+
+    return ranks_from_launcher
+
+
+def install() -> None:
+    """Wrap torch's ``env``, ``tcp`` and ``file`` rendezvous handlers (idempotent)."""
+    handlers = _compat.rendezvous_handlers()
+    for scheme, wrap in (("env", _env_or_launcher), ("tcp", _ranks_from_launcher), ("file", _ranks_from_launcher)):
+        original = handlers.get(scheme)
+        if original is None or getattr(original, "_smddp", False):
+            continue
+        wrapped = wrap(original)
+        wrapped._smddp = True
+        handlers[scheme] = wrapped

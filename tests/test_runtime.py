@@ -1,0 +1,62 @@
+"""What every process smddp starts finds in its environment, checked on every rank of real jobs.
+
+Each job runs ``tests/scripts/runtime_env.py``, which reports the variables SageMaker's runner
+gives a process and then initializes ``torch.distributed`` through ``env://`` on them alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from launchers import SCRIPTS, mpirun, rank_lines, run, torchrun
+
+PROBE = str(SCRIPTS / "runtime_env.py")
+SMDDPRUN = [sys.executable, "-m", "smddp.launch"]
+ALIAS = ["-m", "smddp.alias", PROBE, "--init"]
+
+
+def reports(result, size: int) -> dict:
+    result.check()
+    found = {rank: json.loads(rest) for rank, rest in rank_lines(result.stdout, "RUNTIME").items()}
+    assert sorted(found) == list(range(size)), result.output
+    return found
+
+
+def assert_sagemaker_runtime(found: dict, size: int, local_size: int, instance_type=None) -> None:
+    """Every rank: its own RANK, the same WORLD_SIZE, one MASTER_ADDR:MASTER_PORT, env:// worked."""
+    assert {r["MASTER_ADDR"] for r in found.values()} == {"127.0.0.1"}
+    ports = {r["MASTER_PORT"] for r in found.values()}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert sorted(int(r["LOCAL_RANK"]) for r in found.values()) == list(range(local_size))
+    for rank, r in found.items():
+        assert (r["RANK"], r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) == (str(rank), str(size), str(local_size))
+        assert r["SMDATAPARALLEL_LOCAL_RANK"] == r["LOCAL_RANK"]
+        assert r["SAGEMAKER_INSTANCE_TYPE"] == instance_type
+        assert (r["torch_rank"], r["torch_size"]) == (rank, size)
+        assert r["sum"] == size * (size + 1) / 2  # all_reduce of rank + 1 over the world
+
+
+@pytest.mark.mpi
+def test_smddprun_under_mpirun():
+    result = run([*SMDDPRUN, "-np", "2", PROBE, "--init"], timeout=120,
+                 env={"SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"})
+    assert_sagemaker_runtime(reports(result, 2), 2, 2, "ml.p4d.24xlarge")
+
+
+def test_smddprun_without_mpirun():
+    result = run([*SMDDPRUN, "--launcher", "local", "-np", "2", PROBE, "--init"], timeout=120)
+    assert_sagemaker_runtime(reports(result, 2), 2, 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_plain_mpirun_through_the_alias(np):
+    """No smddprun: rank 0 picks MASTER_ADDR/MASTER_PORT and sends them over MPI."""
+    assert_sagemaker_runtime(reports(mpirun(np, ALIAS, timeout=120), np), np, np)
+
+
+def test_torchrun_through_the_alias():
+    assert_sagemaker_runtime(reports(torchrun(2, ALIAS, timeout=120), 2), 2, 2)
