@@ -173,7 +173,13 @@ def test_smdistributed_job_as_sagemaker_receives_it(aws, session, source, tmp_pa
     assert got["AlgorithmSpecification"]["TrainingImage"] == (
         f"763104351884.dkr.ecr.{REGION}.amazonaws.com/pytorch-training:2.8.0-gpu-py312"
     )
-    assert got["HyperParameters"] == {"epochs": "3", "lr": "0.1", "optimizer": "sgd"}
+    # The user's, then what SDK v2 adds for smdistributed data parallel, JSON-encoded as v2 sends them.
+    assert got["HyperParameters"] == {
+        "epochs": "3", "lr": "0.1", "optimizer": "sgd",
+        "sagemaker_program": '"train.py"', "sagemaker_container_log_level": "20", "sagemaker_region": f'"{REGION}"',
+        "sagemaker_distributed_dataparallel_enabled": "true", "sagemaker_instance_type": '"ml.p4d.24xlarge"',
+        "sagemaker_distributed_dataparallel_custom_mpi_options": '"-x NCCL_DEBUG=VERSION"',
+    }
     assert got["RoleArn"] == aws.role
     assert got["StoppingCondition"]["MaxRuntimeInSeconds"] == 7200
     assert channel(got, "training") == f"s3://{BUCKET}/data/train"
@@ -215,27 +221,58 @@ def test_shipped_wheel_installs_and_entry_runs_the_script(aws, session, source, 
     assert report["args"] == {"epochs": 3, "lr": 0.1, "optimizer": "sgd"}
 
 
+def decoded(value: str):
+    """A hyperparameter as SDK v3's environment script decodes it: JSON when it parses, else the string."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
 def test_smddp_mpi_driver_starts_every_host(aws, session, source, tmp_path):
     """SDK v3's driver passes -np <per host>; smddp's passes hosts x per host."""
     job = smdistributed_estimator(session, aws, source).fit(wait=False)
     drivers = download(aws, channel(describe(aws, job.name), "sm_drivers"), tmp_path / "sm_drivers")
     assert "smddp" in (drivers / "distributed_drivers" / "mpi_driver.py").read_text()
-    probe = ("import json, os, sys; sys.path.insert(0, sys.argv[1]);"
-             "from distributed_drivers.mpi_driver import mpirun_command;"
-             "print('CMD', json.dumps(mpirun_command(os.environ)))")
+    # As SDK v3's environment script exports them: hyperparameters decoded, v2's sagemaker_* among them.
+    hps = {k: decoded(v) for k, v in describe(aws, job.name)["HyperParameters"].items()}
     env = {
         "SM_HOSTS": json.dumps(["algo-1", "algo-2"]), "SM_CURRENT_HOST": "algo-1",
+        "SM_MASTER_ADDR": "algo-1", "SM_MASTER_PORT": "7777",
         "SM_DISTRIBUTED_CONFIG": (drivers / "distributed.json").read_text(),
-        "SM_ENTRY_SCRIPT": "_smddp_entry.py", "SM_HPS": json.dumps({"epochs": 3, "lr": 0.1, "optimizer": "sgd"}),
+        "SM_ENTRY_SCRIPT": "_smddp_entry.py", "SM_HPS": json.dumps(hps),
+        "SM_TRAINING_ENV": json.dumps({"hyperparameters": hps, "current_host": "algo-1"}),
         "SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge", "SM_NUM_GPUS": "8", "SM_NETWORK_INTERFACE_NAME": "eth0",
     }
+    probe = ("import json, os, sys; sys.path.insert(0, sys.argv[1]);"
+             "from distributed_drivers.mpi_driver import mpirun_command, rank_environment;"
+             "os.environ.update(rank_environment(os.environ));"
+             "print('CMD', json.dumps(mpirun_command(os.environ)));"
+             "print('ENV', json.dumps({k: os.environ.get(k) for k in ('MASTER_ADDR', 'MASTER_PORT',"
+             " 'SAGEMAKER_INSTANCE_TYPE', 'SM_FRAMEWORK_PARAMS', 'SM_HPS', 'SM_TRAINING_ENV')}))")
     result = python(["-c", probe, str(drivers)], timeout=60, env=env).check()
     cmd = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("CMD "))[4:])
     assert cmd[0] == "mpirun"
     assert cmd[cmd.index("--host") + 1] == "algo-1:8,algo-2:8"
     assert cmd[cmd.index("-np") + 1] == "16"
     assert "NCCL_DEBUG=VERSION" in cmd and "FI_PROVIDER=efa" in cmd
+    # The sagemaker_* hyperparameters are framework parameters, not the script's arguments.
     assert cmd[-9:] == ["-m", "mpi4py", "_smddp_entry.py", "--epochs", "3", "--lr", "0.1", "--optimizer", "sgd"]
+    for name in ("MASTER_ADDR", "MASTER_PORT", "SAGEMAKER_INSTANCE_TYPE", "SM_FRAMEWORK_PARAMS", "SM_HPS"):
+        assert cmd[cmd.index(name) - 1] == "-x", name
+    ranks = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("ENV "))[4:])
+    assert (ranks["MASTER_ADDR"], ranks["MASTER_PORT"], ranks["SAGEMAKER_INSTANCE_TYPE"]) == (
+        "algo-1", "7777", "ml.p4d.24xlarge")
+    framework = json.loads(ranks["SM_FRAMEWORK_PARAMS"])
+    assert framework == {
+        "sagemaker_program": "train.py", "sagemaker_container_log_level": 20, "sagemaker_region": REGION,
+        "sagemaker_distributed_dataparallel_enabled": True, "sagemaker_instance_type": "ml.p4d.24xlarge",
+        "sagemaker_distributed_dataparallel_custom_mpi_options": "-x NCCL_DEBUG=VERSION",
+    }
+    assert json.loads(ranks["SM_HPS"]) == {"epochs": 3, "lr": 0.1, "optimizer": "sgd"}
+    training_env = json.loads(ranks["SM_TRAINING_ENV"])
+    assert training_env["additional_framework_parameters"] == framework
+    assert training_env["hyperparameters"] == {"epochs": 3, "lr": 0.1, "optimizer": "sgd"}
 
 
 @pytest.mark.parametrize(
@@ -342,3 +379,26 @@ def test_local_inputs_are_uploaded_as_channels(aws, session, source, tmp_path):
     for name in ("training", "test"):
         fetched = download(aws, channel(got, name), tmp_path / f"fetched-{name}")
         assert (fetched / "train.csv").read_text() == "1,2\n3,4\n"
+
+
+@pytest.mark.parametrize("distribution, expected", [
+    ({"mpi": {"enabled": True, "processes_per_host": 2, "custom_mpi_options": "-v"}},
+     {"sagemaker_mpi_enabled": "true", "sagemaker_mpi_num_of_processes_per_host": "2",
+      "sagemaker_mpi_custom_mpi_options": '"-v"'}),
+    ({"pytorchddp": {"enabled": True}},
+     {"sagemaker_pytorch_ddp_enabled": "true", "sagemaker_instance_type": '"ml.g5.48xlarge"'}),
+    (None, {}),
+    # SDK v3's torchrun driver would hand sagemaker_* to the script as arguments: none are sent.
+    ({"torch_distributed": {"enabled": True}}, None),
+])
+def test_sagemaker_hyperparameters_per_distribution(aws, session, source, distribution, expected):
+    est = smdistributed_estimator(session, aws, source, instance_type="ml.g5.48xlarge", instance_count=1,
+                                  distribution=distribution)
+    sent = describe(aws, est.fit(wait=False).name)["HyperParameters"]
+    framework = {k: v for k, v in sent.items() if k.startswith("sagemaker_")}
+    if expected is None:
+        assert framework == {}
+        return
+    common = {"sagemaker_program": '"train.py"', "sagemaker_container_log_level": "20",
+              "sagemaker_region": f'"{REGION}"'}
+    assert framework == {**common, **expected}

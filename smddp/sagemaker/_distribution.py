@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -38,12 +38,14 @@ class Distribution:
             instance type (one on CPU instances).
         mpi_options: extra ``mpirun`` arguments (``custom_mpi_options``, split like a shell).
         form: the ``distribution`` key it came from (``"default"`` when none was given).
+        custom_mpi_options: ``custom_mpi_options`` as the user wrote it (``""`` when absent).
     """
 
     launcher: str = MPI
     processes_per_host: Optional[int] = None
     mpi_options: Tuple[str, ...] = field(default_factory=tuple)
     form: str = "default"
+    custom_mpi_options: str = ""
 
 
 def _keys(mapping: Mapping[str, Any], valid: Tuple[str, ...], where: str) -> None:
@@ -130,7 +132,10 @@ def parse(distribution: Optional[Mapping[str, Any]]) -> Distribution:
         if not _enabled(options, where):
             continue
         launcher = TORCHRUN if form == "torch_distributed" else MPI
-        chosen.append(Distribution(launcher, _processes(options, where), _mpi_options(options, where), form))
+        chosen.append(Distribution(
+            launcher, _processes(options, where), _mpi_options(options, where), form,
+            options.get("custom_mpi_options") or "",
+        ))
 
     if len(chosen) > 1:
         names = " and ".join(d.form for d in chosen)
@@ -141,3 +146,49 @@ def parse(distribution: Optional[Mapping[str, Any]]) -> Distribution:
     if not chosen:
         return Distribution(MPI, 1, (), "disabled")
     return chosen[0]
+
+
+def framework_hyperparameters(
+    dist: Distribution, instance_type: str, program: str, processes_per_host: int, region: Optional[str] = None,
+) -> Dict[str, Any]:
+    """The ``sagemaker_*`` hyperparameters SDK v2's PyTorch estimator adds for this job.
+
+    SageMaker's training toolkit moves them into ``SM_FRAMEWORK_PARAMS``, where Hugging Face's
+    ``is_sagemaker_dp_enabled()`` looks for ``sagemaker_distributed_dataparallel_enabled``.
+    SDK v2 sends each value JSON-encoded (``json.dumps``); these are the decoded values.
+    ``sagemaker_job_name`` and ``sagemaker_submit_directory`` are not among them: SDK v3
+    names the job and uploads the code only inside ``ModelTrainer.train()``.
+
+    Args:
+        dist: the parsed ``distribution``.
+        instance_type: the job's instance type.
+        program: the entry point, relative to ``source_dir``.
+        processes_per_host: processes started on each host.
+        region: the AWS region, when known.
+
+    Returns:
+        ``{name: value}``: the program, log level and region, plus what SDK v2 adds for the
+        ``distribution`` form (``sagemaker_distributed_dataparallel_*``,
+        ``sagemaker_pytorch_ddp_enabled``, ``sagemaker_mpi_*`` or
+        ``sagemaker_torch_distributed_enabled``, with ``sagemaker_instance_type``).
+    """
+    params: Dict[str, Any] = {"sagemaker_program": program, "sagemaker_container_log_level": 20}
+    if region:
+        params["sagemaker_region"] = region
+    if dist.form == "smdistributed":
+        params.update(
+            sagemaker_distributed_dataparallel_enabled=True,
+            sagemaker_instance_type=instance_type,
+            sagemaker_distributed_dataparallel_custom_mpi_options=dist.custom_mpi_options,
+        )
+    elif dist.form == "pytorchddp":
+        params.update(sagemaker_pytorch_ddp_enabled=True, sagemaker_instance_type=instance_type)
+    elif dist.form == "mpi":
+        params.update(
+            sagemaker_mpi_enabled=True,
+            sagemaker_mpi_num_of_processes_per_host=processes_per_host,
+            sagemaker_mpi_custom_mpi_options=dist.custom_mpi_options,
+        )
+    elif dist.form == "torch_distributed":
+        params.update(sagemaker_torch_distributed_enabled=True, sagemaker_instance_type=instance_type)
+    return params

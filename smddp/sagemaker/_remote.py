@@ -8,6 +8,7 @@ host's processes; the SDK's starts only the first host's.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -71,6 +72,25 @@ def distributed_config(sdk: Dict[str, Any], dist: _distribution.Distribution, in
     )
 
 
+def job_hyperparameters(estimator: Any, entry_point: Path, dist: _distribution.Distribution, region: Optional[str]):
+    """The user's hyperparameters plus the ``sagemaker_*`` ones SDK v2 sends, JSON-encoded as v2 does.
+
+    Only jobs under smddp's MPI driver get the ``sagemaker_*`` ones: it moves them into
+    ``SM_FRAMEWORK_PARAMS`` as SageMaker's toolkit does, while SDK v3's torchrun driver would
+    pass them to the script as ``--sagemaker_program ...`` arguments. A name the user set wins.
+    """
+    hyperparameters = dict(estimator.hyperparameters)
+    if dist.launcher != _distribution.MPI:
+        return hyperparameters
+    source_dir = estimator.source_dir
+    program = entry_point.relative_to(Path(source_dir).resolve()).as_posix() if source_dir else entry_point.name
+    per_host = dist.processes_per_host or _instances.default_processes_per_host(estimator.instance_type)
+    framework = _distribution.framework_hyperparameters(dist, estimator.instance_type, program, per_host, region)
+    for name, value in framework.items():
+        hyperparameters.setdefault(name, json.dumps(value))
+    return hyperparameters
+
+
 def input_channels(sdk: Dict[str, Any], inputs: Any) -> Optional[List[Any]]:
     """``fit``'s ``inputs`` as SDK v3 ``InputData``: S3 URIs as they are, local paths uploaded by the SDK."""
     if inputs is None:
@@ -130,7 +150,7 @@ class RemoteJob:
                 source_code=sdk["SourceCode"](source_dir=code, entry_script=entry, requirements="requirements.txt"),
                 compute=sdk["Compute"](instance_type=est.instance_type, instance_count=est.instance_count),
                 distributed=distributed_config(sdk, self.dist, est.instance_type, workdir),
-                hyperparameters=dict(est.hyperparameters),
+                hyperparameters=job_hyperparameters(est, self.entry_point, self.dist, session.boto_region_name),
                 environment=dict(est.environment),
                 stopping_condition=sdk["StoppingCondition"](max_runtime_in_seconds=est.max_run),
                 role=est.role,
