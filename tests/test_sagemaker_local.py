@@ -56,7 +56,8 @@ if os.environ.get("FAIL_ON_RANK") == str(topo.rank):
 """
 
 HYPERPARAMETERS = {"epochs": 3, "lr": 0.1, "optimizer": "adam", "use-amp": True, "layers": [1, 2]}
-ARGV = ["--epochs", "3", "--lr", "0.1", "--optimizer", "adam", "--use-amp", "true", "--layers", "[1, 2]"]
+# As SageMaker's training toolkit passes them: sorted by name, each value through str().
+ARGV = ["--epochs", "3", "--layers", "[1, 2]", "--lr", "0.1", "--optimizer", "adam", "--use-amp", "True"]
 
 
 @pytest.fixture
@@ -90,7 +91,9 @@ def records(job):
     return {int(name[5:-5]): json.loads(body) for name, body in found.items() if name.startswith("rank-")}
 
 
-def test_two_processes_get_sagemaker_environment(src, data, tmp_path):
+def test_two_processes_get_sagemaker_environment(src, data, tmp_path, monkeypatch):
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)  # a known region would add sagemaker_region
     out = tmp_path / "out"
     est = PyTorch(
         entry_point="report.py", source_dir=str(src), instance_type="local",
@@ -102,8 +105,13 @@ def test_two_processes_get_sagemaker_environment(src, data, tmp_path):
     assert job is est.latest_training_job and job.status == "Completed"
     assert est.model_data == f"file://{out}/{job.name}/output/model.tar.gz"
     assert set(members(out / job.name / "output" / "model.tar.gz")) == {"weights-algo-1-0", "weights-algo-1-1"}
+    # SDK v2 sends every value JSON-encoded, with its sagemaker_* hyperparameters for the mpi form.
     assert job.describe()["HyperParameters"] == {
-        "epochs": "3", "lr": "0.1", "optimizer": "adam", "use-amp": "true", "layers": "[1, 2]",
+        "epochs": "3", "lr": "0.1", "optimizer": '"adam"', "use-amp": "true", "layers": "[1, 2]",
+        "sagemaker_program": '"report.py"', "sagemaker_container_log_level": "20",
+        "sagemaker_job_name": f'"{job.name}"', "sagemaker_submit_directory": f'"file://{src.resolve()}"',
+        "sagemaker_mpi_enabled": "true", "sagemaker_mpi_num_of_processes_per_host": "2",
+        "sagemaker_mpi_custom_mpi_options": '""',
     }
 
     got = records(job)
@@ -111,11 +119,14 @@ def test_two_processes_get_sagemaker_environment(src, data, tmp_path):
     for rank, seen in got.items():
         env = seen["env"]
         assert (seen["size"], seen["local_rank"], seen["local_size"]) == (2, rank, 2)
-        assert seen["args"] == {"epochs": 3, "lr": 0.1, "optimizer": "adam", "use_amp": "true", "layers": "[1, 2]"}
+        assert seen["args"] == {"epochs": 3, "lr": 0.1, "optimizer": "adam", "use_amp": "True", "layers": "[1, 2]"}
         assert seen["argv"] == ARGV and json.loads(env["SM_USER_ARGS"]) == ARGV
         assert json.loads(env["SM_HPS"]) == HYPERPARAMETERS  # types kept: int, float, bool, list
         assert (env["SM_HP_EPOCHS"], env["SM_HP_LR"], env["SM_HP_OPTIMIZER"]) == ("3", "0.1", "adam")
-        assert (env["SM_HP_USE_AMP"], env["SM_HP_LAYERS"]) == ("true", "[1, 2]")
+        assert (env["SM_HP_USE-AMP"], env["SM_HP_LAYERS"]) == ("true", "[1,2]")
+        assert json.loads(env["SM_FRAMEWORK_PARAMS"]) == {
+            "sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 2,
+            "sagemaker_mpi_custom_mpi_options": ""}
         assert json.loads(env["SM_CHANNELS"]) == ["test", "training"]
         assert seen["channels"] == {"training": ["a.csv", "b.csv"], "test": ["labels.csv"]}
         assert json.loads(env["SM_HOSTS"]) == ["algo-1"] and env["SM_CURRENT_HOST"] == "algo-1"

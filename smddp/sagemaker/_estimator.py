@@ -202,11 +202,11 @@ class PyTorch:
         """
         show_logs = logs not in (False, None, "None", "none")
         if self.local:
-            from smddp.sagemaker._local import LocalJob, channels
+            from smddp.sagemaker._local import LocalModeJob, channels
 
             data = channels(inputs)
             base = job_name or self.base_job_name or f"smddp-{self._entry.stem}"
-            runner = LocalJob(
+            runner = LocalModeJob(
                 _job_name(base) if job_name is None else job_name, self._entry, self.source_dir,
                 self._dependencies, self.hyperparameters, self._distribution, self.instance_type,
                 self.instance_count, self.environment, self.output_path, self.max_run,

@@ -1,11 +1,14 @@
 """Local mode: run a training job on this machine under smddprun, as SageMaker would run it.
 
 No Docker. Each emulated host (``algo-1``, ``algo-2``, ...) gets an ``/opt/ml``-shaped
-directory in a temporary folder: ``model/``, ``output/data/``, ``input/config/*.json`` and
-``input/data/<channel>`` (links to the local inputs). All processes of all hosts form one job
-started by smddprun (or torchrun for ``torch_distributed``); each process exports its host's
-``SM_*`` environment (:mod:`._entry`) before the script runs. Afterwards the hosts' model
-directories are packed as ``<output_path>/<job>/output/model.tar.gz``, as SageMaker does.
+directory in a temporary folder (:class:`smddp.sagemaker._container.Container`): ``model/``,
+``output/data/``, ``input/config/{hyperparameters,resourceconfig,inputdataconfig}.json`` and
+``input/data/<channel>`` (links to the local inputs), exported as ``SAGEMAKER_BASE_DIR`` so
+AWS's training toolkit reads it. The job's hyperparameters carry the ``sagemaker_*`` ones SDK
+v2 sends for its ``distribution``. All processes of all hosts form one job started by smddprun
+(or torchrun for ``torch_distributed``); each process exports its host's ``SM_*`` environment
+(:mod:`._entry`) before the script runs. Afterwards the hosts' model directories are packed as
+``<output_path>/<job>/output/model.tar.gz``, as SageMaker does.
 """
 
 from __future__ import annotations
@@ -28,23 +31,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import smddp
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 from smddp.sagemaker import _distribution
+from smddp.sagemaker._container import Container, cmd_args, job_hyperparameters, split_hyperparameters
 from smddp.sagemaker._job import JobFailedError, TrainingJob
 
 #: Where local jobs write ``<job>/output/model.tar.gz`` when ``output_path`` is not given.
 DEFAULT_OUTPUT = os.path.join(tempfile.gettempdir(), "smddp-local")
-
-
-def serialize(value: Any) -> str:
-    """A hyperparameter as SageMaker passes it on the command line: strings as they are, else JSON."""
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def cli_args(hyperparameters: Mapping[str, Any]) -> List[str]:
-    """``--name value`` for each hyperparameter, in order."""
-    args: List[str] = []
-    for name, value in hyperparameters.items():
-        args += [f"--{name}", serialize(value)]
-    return args
 
 
 def local_path(uri: str, what: str) -> Path:
@@ -109,7 +100,7 @@ def launch_command(nprocs: int, dist: _distribution.Distribution, program: Seque
     return cmd + entry
 
 
-class LocalJob:
+class LocalModeJob:
     """One local-mode run: lays out the hosts, starts the processes, packs the model."""
 
     def __init__(
@@ -150,6 +141,13 @@ class LocalJob:
         self.processes_per_host = dist.processes_per_host or default
         if self.gpu_ids:
             self.num_gpus = min(self.processes_per_host, max(len(self.gpu_ids) // len(self.hosts), 1))
+        program = entry_point.relative_to(self.source_dir).as_posix()
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        framework = _distribution.framework_hyperparameters(
+            dist, instance_type, program, self.processes_per_host, region)
+        #: What SDK v2 would send: the user's hyperparameters and the ``sagemaker_*`` ones.
+        self.all_hyperparameters = job_hyperparameters(
+            self.hyperparameters, framework, job_name, f"file://{self.source_dir}")
         self.status = "InProgress"
         self.reason: Optional[str] = None
         #: What ``estimator.latest_training_job`` shows for this run.
@@ -161,91 +159,28 @@ class LocalJob:
         path = self.output_dir / self.job_name / "output" / "model.tar.gz"
         return f"file://{path}" if self.output_uri.startswith("file://") else str(path)
 
-    def _host_env(self, host: str, root: Path, data: Mapping[str, Path]) -> Dict[str, str]:
-        index = self.hosts.index(host)
-        hps = self.hyperparameters
-        args = cli_args(hps)
-        channel_dirs = {name: str(root / "input" / "data" / name) for name in data}
-        resource = {"current_host": host, "current_instance_type": self.instance_type,
-                    "current_group_name": "homogeneousCluster", "hosts": self.hosts,
-                    "network_interface_name": "lo"}
-        input_config = {name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated",
-                               "RecordWrapperType": "None"} for name in data}
-        num_cpus = os.cpu_count() or 1
-        env = {
-            "TRAINING_JOB_NAME": self.job_name,
-            "SM_MODEL_DIR": str(root / "model"),
-            "SM_OUTPUT_DIR": str(root / "output"),
-            "SM_OUTPUT_DATA_DIR": str(root / "output" / "data"),
-            "SM_OUTPUT_INTERMEDIATE_DIR": str(root / "output" / "intermediate"),
-            "SM_OUTPUT_FAILURE": str(root / "output" / "failure"),
-            "SM_INPUT_DIR": str(root / "input"),
-            "SM_INPUT_DATA_DIR": str(root / "input" / "data"),
-            "SM_INPUT_CONFIG_DIR": str(root / "input" / "config"),
-            "SM_CHANNELS": json.dumps(sorted(data)),
-            "SM_HPS": json.dumps(hps),
-            "SM_USER_ARGS": json.dumps(args),
-            "SM_HOSTS": json.dumps(self.hosts),
-            "SM_CURRENT_HOST": host,
-            "SM_CURRENT_HOST_RANK": str(index),
-            "SM_HOST_COUNT": str(len(self.hosts)),
-            "SM_MASTER_ADDR": self.hosts[0],
-            "SM_MASTER_PORT": "7777",
-            "SM_NUM_GPUS": str(self.num_gpus),
-            "SM_NUM_CPUS": str(num_cpus),
-            "SM_NUM_NEURONS": "0",
-            "SM_NETWORK_INTERFACE_NAME": "lo",
-            "SM_CURRENT_INSTANCE_TYPE": self.instance_type,
-            "SM_CURRENT_INSTANCE_GROUP": "homogeneousCluster",
-            "SM_IS_HETERO": "false",
-            "SM_LOG_LEVEL": "20",
-            "SM_USER_ENTRY_POINT": self.entry_point.name,
-            "SM_ENTRY_SCRIPT": str(self.entry_point),
-            "SM_SOURCE_DIR": str(self.source_dir),
-            "SM_MODULE_DIR": str(self.source_dir),
-            "SM_DISTRIBUTED_CONFIG": json.dumps({"process_count_per_node": self.processes_per_host}),
-            "SM_RESOURCE_CONFIG": json.dumps(resource),
-            "SM_INPUT_DATA_CONFIG": json.dumps(input_config),
-        }
-        env["SM_TRAINING_ENV"] = json.dumps({
-            "job_name": self.job_name, "current_host": host, "current_instance_type": self.instance_type,
-            "hosts": self.hosts, "master_hostname": self.hosts[0], "master_addr": self.hosts[0],
-            "master_port": 7777, "model_dir": env["SM_MODEL_DIR"], "input_data_dir": env["SM_INPUT_DATA_DIR"],
-            "output_dir": env["SM_OUTPUT_DIR"], "output_data_dir": env["SM_OUTPUT_DATA_DIR"],
-            "input_dir": env["SM_INPUT_DIR"], "input_config_dir": env["SM_INPUT_CONFIG_DIR"],
-            "channel_input_dirs": channel_dirs, "hyperparameters": hps, "user_entry_point": self.entry_point.name,
-            "num_gpus": self.num_gpus, "num_cpus": num_cpus, "num_neurons": 0, "network_interface_name": "lo",
-            "resource_config": resource, "input_data_config": input_config, "log_level": 20,
-        })
-        for name, path in channel_dirs.items():
-            env[f"SM_CHANNEL_{name.upper()}"] = path
-        for name, value in hps.items():
-            env[f"SM_HP_{name.replace('-', '_').upper()}"] = serialize(value)
-        if self.gpu_ids and len(self.hosts) > 1:
-            first = index * self.num_gpus
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids[first:first + self.num_gpus])
-        return env
-
-    def _layout(self, work: Path, data: Mapping[str, Path]) -> Dict[str, Dict[str, str]]:
+    def _containers(self, work: Path, data: Mapping[str, Path]) -> Dict[str, Dict[str, str]]:
+        """Lay out every host's folder under ``work``; return each host's environment."""
         envs = {}
         for host in self.hosts:
-            root = work / host
-            for sub in ("model", "output/data", "output/intermediate", "input/config", "input/data"):
-                (root / sub).mkdir(parents=True, exist_ok=True)
+            container = Container(
+                base_dir=work / host, job_name=self.job_name, host=host, hosts=self.hosts,
+                instance_type=self.instance_type, hyperparameters=self.all_hyperparameters, channels=sorted(data),
+                num_gpus=self.num_gpus, processes_per_host=self.processes_per_host,
+                entry_script=self.entry_point, source_dir=self.source_dir,
+            )
+            container.write_config()
             for name, source in data.items():
-                channel = root / "input" / "data" / name
+                channel = container.base_dir / "input" / "data" / name
                 if source.is_dir():
                     channel.symlink_to(source, target_is_directory=True)
                 else:
                     channel.mkdir()
                     (channel / source.name).symlink_to(source)
-            env = self._host_env(host, root, data)
-            config = root / "input" / "config"
-            (config / "hyperparameters.json").write_text(
-                json.dumps({k: serialize(v) for k, v in self.hyperparameters.items()})
-            )
-            (config / "resourceconfig.json").write_text(env["SM_RESOURCE_CONFIG"])
-            (config / "inputdataconfig.json").write_text(env["SM_INPUT_DATA_CONFIG"])
+            env = container.environment()
+            if self.gpu_ids and len(self.hosts) > 1:
+                first = self.hosts.index(host) * self.num_gpus
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids[first:first + self.num_gpus])
             envs[host] = env
         return envs
 
@@ -321,7 +256,7 @@ class LocalJob:
         record = {
             "TrainingJobName": self.job_name,
             "TrainingJobStatus": self.status,
-            "HyperParameters": {k: serialize(v) for k, v in self.hyperparameters.items()},
+            "HyperParameters": {k: json.dumps(v) for k, v in self.all_hyperparameters.items()},
             "AlgorithmSpecification": {"TrainingImage": "local", "TrainingInputMode": "File"},
             "ResourceConfig": {"InstanceType": self.instance_type, "InstanceCount": len(self.hosts)},
             "OutputDataConfig": {"S3OutputPath": self.output_uri},
@@ -345,11 +280,12 @@ class LocalJob:
         work = Path(tempfile.mkdtemp(prefix=f"smddp-{self.job_name}-"))
         try:
             spec = {"hosts": self.hosts, "processes_per_host": self.processes_per_host,
-                    "env": self._layout(work, data)}
+                    "env": self._containers(work, data)}
             spec_file = work / "job.json"
             spec_file.write_text(json.dumps(spec))
             nprocs = self.processes_per_host * len(self.hosts)
-            program = [str(spec_file), str(self.entry_point), *cli_args(self.hyperparameters)]
+            user, _ = split_hyperparameters(self.all_hyperparameters)
+            program = [str(spec_file), str(self.entry_point), *cmd_args(user)]
             cmd = launch_command(nprocs, self.dist, program)
             print(f"smddp local mode: job {self.job_name}, {len(self.hosts)} host(s) x "
                   f"{self.processes_per_host} process(es)", flush=True)
