@@ -69,6 +69,7 @@ PAGES = [
     ("ddp", True),
     ("fsdp", True),
     ("sagemaker", True),
+    ("integrations", True),
     ("troubleshooting", True),
     ("performance", False),
     ("tools", False),
