@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launchers import SCRIPTS, mpirun, rank_lines, run, torchrun
+from launchers import _TAG, SCRIPTS, free_port, mpirun, rank_lines, run, torchrun
 
 PROBE = str(SCRIPTS / "runtime_env.py")
 SMDDPRUN = [sys.executable, "-m", "smddp.launch"]
@@ -60,3 +60,44 @@ def test_plain_mpirun_through_the_alias(np):
 
 def test_torchrun_through_the_alias():
     assert_sagemaker_runtime(reports(torchrun(2, ALIAS, timeout=120), 2), 2, 2)
+
+
+# ------------------------------------------------------------------ every init method, every launcher
+
+INIT = str(SCRIPTS / "init_methods.py")
+MODES = ["default", "env", "tcp", "tcp-explicit", "file", "store", "v1-then-torch", "torch-then-v1"]
+
+
+def assert_every_init_method(result, size: int, modes=MODES) -> None:
+    result.check()
+    found = {}
+    for line in result.stdout.splitlines():
+        parts = _TAG.sub("", line).split(None, 3)
+        if len(parts) == 4 and parts[0] == "INIT":
+            found[(int(parts[1]), parts[2])] = json.loads(parts[3])
+    assert sorted(found) == sorted((r, m) for r in range(size) for m in modes), result.output
+    for (rank, mode), r in found.items():
+        assert r["torch"] == [rank, size] and r["v1"] == [rank, size], (mode, r)
+        assert r["initialized"] == [True, True] and r["backend"] == "smddp", (mode, r)
+        assert r["torch_sum"] == r["v1_sum"] == size * (size + 1) / 2, (mode, r)
+        assert r["bcast"] == size - 1, (mode, r)
+
+
+def _init_args(tmp_path):
+    return [INIT, str(free_port()), str(free_port()), str(tmp_path)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_init_methods_under_plain_mpirun(tmp_path, np):
+    assert_every_init_method(mpirun(np, _init_args(tmp_path), timeout=180), np)
+
+
+@pytest.mark.mpi
+def test_init_methods_under_smddprun(tmp_path):
+    assert_every_init_method(run([*SMDDPRUN, "-np", "2", *_init_args(tmp_path)], timeout=180), 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_init_methods_under_torchrun(tmp_path, mode):
+    assert_every_init_method(torchrun(2, [*_init_args(tmp_path), mode], timeout=180), 2, [mode])
