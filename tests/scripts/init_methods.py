@@ -10,17 +10,20 @@ size are those of the launcher, read from its own variables by the test.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 from datetime import timedelta
 
-import smdistributed.dataparallel.torch.distributed as sm_dist  # noqa: E402
-import smdistributed.dataparallel.torch.torch_smddp  # noqa: E402,F401
 import torch
 import torch.distributed as tdist
 
 import smddp.alias  # noqa: F401 - as smddprun does: the smdistributed names are smddp's
+
+# Imported after the alias is on, as NeMo's initialize_sagemaker imports both.
+sm_dist = importlib.import_module("smdistributed.dataparallel.torch.distributed")
+importlib.import_module("smdistributed.dataparallel.torch.torch_smddp")
 
 PORT, STORE_PORT, DIR = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 # Under torchrun every rank's tcp:// store is a client of torchrun's own (TORCHELASTIC_USE_AGENT_STORE):
