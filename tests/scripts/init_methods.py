@@ -34,7 +34,8 @@ TCP = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if "MASTE
 
 def launcher_rank():
     """What the launcher says, from its own variables (the rank is not known otherwise)."""
-    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE")):
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE"),
+                       ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")):
         if rank in os.environ:
             return int(os.environ[rank]), int(os.environ[size])
     raise SystemExit("no launcher")
