@@ -7,6 +7,7 @@ gives a process and then initializes ``torch.distributed`` through ``env://`` on
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
@@ -101,3 +102,56 @@ def test_init_methods_under_smddprun(tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_init_methods_under_torchrun(tmp_path, mode):
     assert_every_init_method(torchrun(2, [*_init_args(tmp_path), mode], timeout=180), 2, [mode])
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])
+@pytest.mark.parametrize("env, named", [
+    ({"RANK": "5"}, ["RANK=5", "RANK=0 to RANK=1"]),
+    ({"WORLD_SIZE": "3"}, ["WORLD_SIZE=3", "WORLD_SIZE=2"]),
+])
+def test_smddprun_names_a_rank_that_contradicts_it(launcher, env, named):
+    result = run([*SMDDPRUN, "--launcher", launcher, "-np", "2", PROBE], timeout=60, env=env)
+    assert result.returncode == 2, result.output
+    for value in named:
+        assert value in result.stderr, result.output
+    assert "RUNTIME" not in result.stdout  # nothing started
+
+
+@pytest.mark.mpi
+def test_mpirun_names_a_rank_that_contradicts_it():
+    result = mpirun(2, ["-m", "smddp.alias", PROBE], timeout=60, mpi_args=["-x", "RANK=1"])
+    assert result.returncode != 0, result.output
+    # Rank 0 is told it is RANK=1; rank 1 agrees with the launcher and would run, but the job ends.
+    assert "RANK=1 contradicts the launcher (openmpi), which started this process as rank 0 of 2 (RANK=0)" in (
+        result.stderr), result.output
+
+
+@pytest.fixture
+def held_port():
+    """A port something else is listening on."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])
+def test_smddprun_names_a_master_port_in_use(launcher, held_port):
+    result = run([*SMDDPRUN, "--launcher", launcher, "-np", "2", PROBE, "--init"], timeout=60,
+                 env={"MASTER_PORT": str(held_port)})
+    assert result.returncode == 2, result.output
+    assert f"MASTER_PORT={held_port} (set) is already in use on this host" in result.stderr, result.output
+    assert "RUNTIME" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_plain_mpirun_names_a_master_port_in_use(held_port):
+    """No smddprun to check first: rank 0 checks before the script runs, and the whole job ends."""
+    result = mpirun(2, ["-m", "smddp.alias", PROBE, "--init"], timeout=60,
+                    env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held_port)},
+                    mpi_args=["-x", "MASTER_ADDR", "-x", "MASTER_PORT"])
+    assert result.returncode != 0, result.output
+    assert f"MASTER_PORT={held_port} (set) is already in use on this host" in result.stderr, result.output
+    assert "RUNTIME 0" not in result.stdout
