@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
-from launchers import _TAG, SCRIPTS, free_port, mpirun, rank_lines, run, torchrun
+from launchers import _TAG, MPIRUN, SCRIPTS, free_port, mpirun, rank_lines, run, torchrun
 
 PROBE = str(SCRIPTS / "runtime_env.py")
 SMDDPRUN = [sys.executable, "-m", "smddp.launch"]
@@ -155,3 +156,23 @@ def test_plain_mpirun_names_a_master_port_in_use(held_port):
     assert result.returncode != 0, result.output
     assert f"MASTER_PORT={held_port} (set) is already in use on this host" in result.stderr, result.output
     assert "RUNTIME 0" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_sagemaker_job_processes(tmp_path):
+    """What smddp's SageMaker driver runs on each host: ``mpirun ... -x MASTER_ADDR ... python -m mpi4py
+    _smddp_entry.py``, from the code channel smddp.sagemaker stages (MASTER_ADDR stands in for algo-1)."""
+    from smddp.sagemaker import _package
+
+    code = tmp_path / "code"
+    code.mkdir()
+    entry = _package.stage_code(str(code), Path(PROBE), None)
+    framework = {"sagemaker_distributed_dataparallel_enabled": True, "sagemaker_instance_type": "ml.p4d.24xlarge"}
+    driver_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                  "SAGEMAKER_INSTANCE_TYPE": "ml.p4d.24xlarge", "SM_FRAMEWORK_PARAMS": json.dumps(framework)}
+    exports = [w for name in driver_env for w in ("-x", name)]
+    result = run([MPIRUN, "-np", "2", "--oversubscribe", *exports, sys.executable, "-m", "mpi4py", entry, "--init"],
+                 timeout=120, env=driver_env, cwd=str(code))
+    found = reports(result, 2)
+    assert_sagemaker_runtime(found, 2, 2, "ml.p4d.24xlarge")
+    assert {r["MASTER_PORT"] for r in found.values()} == {driver_env["MASTER_PORT"]}
