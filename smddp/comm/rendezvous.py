@@ -5,12 +5,16 @@
   the others with one MPI broadcast, so ``mpirun`` needs no ``MASTER_ADDR``/``MASTER_PORT``.
 - Anything else (Slurm, SageMaker hosts, explicit ranks): a ``TCPStore`` at
   ``MASTER_ADDR:MASTER_PORT`` (torchrun's own store is reached through torch's ``env://``).
+  That port is fixed for the job, so the store is made once per process and each later
+  ``init_process_group`` (after a destroy) uses it under a fresh key prefix: a second server
+  on the same port would fail, and old keys must not be read as new ones.
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any, Dict, Tuple
 
 import torch.distributed as tdist
 
@@ -33,10 +37,20 @@ def make_store(topology: Topology, timeout: timedelta):
             f"rank {topology.rank} of {topology.size} ({topology.launcher}) has no rendezvous address: "
             f"set MASTER_ADDR and MASTER_PORT, or launch with mpirun/smddprun"
         )
-    return tdist.TCPStore(
-        topology.master_addr, topology.master_port, topology.size, topology.rank == 0, timeout,
-        wait_for_workers=False,
-    )
+    key = (topology.master_addr, topology.master_port, topology.size, topology.rank)
+    store, generation = _job_stores.get(key, (None, -1))
+    if store is None:
+        store = tdist.TCPStore(
+            topology.master_addr, topology.master_port, topology.size, topology.rank == 0, timeout,
+            wait_for_workers=False,
+        )
+    generation += 1  # every rank initializes the same number of times: the prefixes agree
+    _job_stores[key] = (store, generation)
+    return tdist.PrefixStore(f"smddp-init-{generation}/", store) if generation else store
+
+
+#: The job's store at its fixed address, and how many times it was handed out, per address.
+_job_stores: Dict[Tuple[Any, ...], Tuple[Any, int]] = {}
 
 
 def _store_over_mpi(topology: Topology, timeout: timedelta):

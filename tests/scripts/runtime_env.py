@@ -15,6 +15,7 @@ import sys
 from smddp._runtime import VARIABLES
 
 report = {name: os.environ.get(name) for name in VARIABLES}
+report["job"] = os.environ.get("SLURM_JOB_ID")
 if "--init" in sys.argv:
     import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
     import torch
