@@ -126,3 +126,48 @@ def test_toolkit_environment_in_local_mode(tmp_path):
         # AWS's examples' env:// init on the variables every process gets.
         assert (seen["torch_rank"], seen["world"], seen["local_rank"]) == (rank, 2, 0)
         assert seen["backend"] == "smddp" and seen["grad_ok"] is True
+
+
+TOOLKIT_VIEW = """\
+import json
+from sagemaker_training.environment import Environment
+env = Environment()
+print("TOOLKIT", json.dumps({"vars": env.to_env_vars(), "args": env.to_cmd_args()}))
+"""
+
+
+@pytest.mark.parametrize("form", ["smdistributed", "mpi", "none"])
+def test_container_is_what_the_toolkit_reads(tmp_path, form):
+    """One host's folder and SM_* values against the toolkit reading that folder, for several forms."""
+    pytest.importorskip("sagemaker_training", reason="pip install 'smddp[integrations]'")
+    from smddp.sagemaker import _distribution
+    from smddp.sagemaker._container import Container, job_hyperparameters
+
+    distribution = {"smdistributed": {"smdistributed": {"dataparallel": {"enabled": True}}},
+                    "mpi": {"mpi": {"enabled": True, "processes_per_host": 3, "custom_mpi_options": "-x A=1"}},
+                    "none": None}[form]
+    dist = _distribution.parse(distribution)
+    user = {"n": 4, "opts": {"b": 2, "a": "x"}, "flag": False, "name": "run 1", "nothing": None, "ratio": 0.25}
+    framework = _distribution.framework_hyperparameters(dist, "ml.p4d.24xlarge", "sub/train.py", 3, "eu-west-1")
+    hps = job_hyperparameters(user, framework, "job-7", "file:///code")
+    container = Container(
+        base_dir=tmp_path / "algo-2", job_name="job-7", host="algo-2", hosts=["algo-1", "algo-2", "algo-3"],
+        instance_type="ml.p4d.24xlarge", hyperparameters=hps, channels=["eval", "train"], num_gpus=0,
+        processes_per_host=3, entry_script=tmp_path / "sub" / "train.py", source_dir=tmp_path,
+    )
+    container.write_config()
+    for name in ("eval", "train"):
+        (container.base_dir / "input" / "data" / name).mkdir()
+    ours = container.environment()
+    result = run([sys.executable, "-c", TOOLKIT_VIEW], timeout=60, cwd=str(tmp_path),
+                 env={"SAGEMAKER_BASE_DIR": str(container.base_dir), "TRAINING_JOB_NAME": "job-7"}).check()
+    toolkit = json.loads(result.stdout.split("TOOLKIT ", 1)[1])
+    differs = {k: (v, ours.get(k)) for k, v in toolkit["vars"].items() if ours.get(k) != v}
+    assert differs == {}
+    assert json.loads(ours["SM_USER_ARGS"]) == toolkit["args"] == [
+        "--flag", "False", "-n", "4", "--name", "run 1", "--nothing", "", "--opts", "a=x,b=2", "--ratio", "0.25"]
+    assert json.loads(ours["SM_HPS"]) == user
+    expected = {k: v for k, v in framework.items() if k not in (
+        "sagemaker_program", "sagemaker_container_log_level", "sagemaker_region")}
+    assert json.loads(ours["SM_FRAMEWORK_PARAMS"]) == expected
+    assert (ours["SM_MODULE_NAME"], ours["SM_USER_ENTRY_POINT"]) == ("sub/train", "sub/train.py")
