@@ -68,6 +68,17 @@ def test_accelerate_sagemaker_switch_initializes_smddp():
         assert report["where"].endswith(("accelerate/state.py:set_device", "accelerate\\state.py:set_device"))
 
 
+def test_deepspeed_comm_on_smddp_world():
+    # Not in [integrations] (see docs/integrations.md); its first init on CPU compiles a C++ op.
+    pytest.importorskip("deepspeed", reason="pip install -c constraints.txt --no-build-isolation deepspeed")
+    reports = smddprun("deepspeed_comm.py", prefix="DEEPSPEED")
+    for report in reports.values():
+        assert (report["world"], report["backend"]) == (2, "smddp")
+        assert report["sum"] == [1.0 + 2.0, 10.0 + 20.0]
+        assert report["gathered"] == [[float(r), float(r * r)] for r in range(2)]
+        assert report["broadcast"] == 1.0 + 7
+
+
 @pytest.mark.parametrize("environment", ["aws", "mpi"])
 def test_lightning_ddp_strategy(environment):
     pytest.importorskip("lightning", reason="pip install 'smddp[integrations]'")
