@@ -37,10 +37,8 @@ def _check(engine: Engine, *fields):
     return fields if getattr(engine, "_debug", None) is not None else None
 
 
-def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], result, check=None) -> Handle:
-    if check is None:
-        return engine._start(op_name, start, True, result)
-    return engine._start(op_name, start, True, result, check=check)
+def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=None) -> Handle:
+    return engine._start(op_name, start, True, check)
 
 
 class Holding(Pending):
@@ -125,7 +123,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         return _then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
-    return _start(engine, "reduce_scatter_tensor", start, [output], check)
+    return _start(engine, "reduce_scatter_tensor", start, check)
 
 
 def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op) -> Handle:
@@ -175,7 +173,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
         return _then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
-    return _start(engine, "gather", start, [list(outs)], check)
+    return _start(engine, "gather", start, check)
 
 
 def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Handle:
@@ -204,7 +202,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
         return _then(pending, after) if after else pending
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "scatter", start, [output], check)
+    return _start(engine, "scatter", start, check)
 
 
 def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
@@ -236,7 +234,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
         return _then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "all_to_all", start, [list(outs)], check)
+    return _start(engine, "all_to_all", start, check)
 
 
 # ---------------------------------------------------------------------------- several at once
@@ -313,7 +311,7 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
     engine._check_usable()
     comm = engine._comm_for(tensor)
     src = tensor.detach().contiguous()
-    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src), [tensor])
+    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src))
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
@@ -336,13 +334,14 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
     pending = comm.recv(buf, src, tag)
     held = Holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
-    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held, [tensor])
+    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held)
     return handle, lambda: pending.source
 
 
-def _p2p(engine: Engine, op_name: str, pending: Pending, result) -> Handle:
-    # A message involves two ranks: it is named by the latest collective, never numbered.
-    return Handle(engine, engine.seq, op_name, pending, result)
+def _p2p(engine: Engine, op_name: str, pending: Pending) -> Handle:
+    # A message involves two ranks: it is named by the latest collective, never numbered, and
+    # completes on its own, not in the collectives' issue order.
+    return engine._track(Handle(engine, engine.seq, op_name, pending, ordered=False))
 
 
 def _check_peer(engine: Engine, peer, what: str, tag) -> None:

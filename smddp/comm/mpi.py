@@ -69,6 +69,36 @@ def _buffer(t: torch.Tensor, datatype=None):
     return [mem, t.numel(), datatype]
 
 
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+}
+
+
+def _check_thread_level() -> None:
+    """Refuse an MPI initialized below ``MPI_THREAD_MULTIPLE``.
+
+    The engine calls MPI from the caller's thread, its progress thread and the thread that
+    runs backward (see the thread model in :mod:`smddp.comm.engine`). mpi4py requests
+    ``MPI_THREAD_MULTIPLE`` when it initializes MPI; a lower level means another library
+    initialized MPI first, or ``mpi4py.rc.thread_level`` was lowered.
+
+    Raises:
+        BackendUnavailableError: the MPI library provides less than ``MPI_THREAD_MULTIPLE``.
+    """
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        name = _THREAD_LEVELS.get(level, str(level))
+        raise BackendUnavailableError(
+            f"the 'mpi' backend needs MPI_THREAD_MULTIPLE, but MPI was initialized with {name} "
+            f"(by mpi4py.rc.thread_level, or by a library that called MPI_Init before smddp). Import "
+            f"smddp before that library and leave mpi4py.rc.thread_level at 'multiple', use an MPI "
+            f"built with thread support, or choose another backend (SMDDP_BACKEND=gloo)"
+        )
+
+
 class _Requests(Pending):
     """Drives a generator that yields lists of MPI requests, one stage at a time.
 
@@ -127,6 +157,7 @@ class MPICommunicator(Communicator):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
+        _check_thread_level()
         _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
         self.comm = MPI.COMM_WORLD.Dup()
         # Users' point-to-point tags get a communicator of their own: they can never
