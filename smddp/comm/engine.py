@@ -14,7 +14,17 @@ Every collective, whether it comes from smddp's own functions or from
   :class:`~smddp.errors.CollectiveTimeout` instead of hanging, after which the job is
   broken and further collectives fail at once;
 - progresses asynchronous operations on one background thread, so their futures
-  complete while the caller computes (torch's DDP overlaps backward with this).
+  complete while the caller computes (torch's DDP overlaps backward with this);
+- owns every asynchronous operation until it completes, and completes a group's
+  collectives in issue order: dropping a handle never changes a result.
+
+Thread model (docs/architecture.md has the whole of it): any thread may start a collective
+(numbering and starting are one step, under ``_start_lock``); operations in flight are
+tested under the engine's lock by the progress thread and by threads that wait; a
+synchronous operation with nothing in flight is tested by its caller alone. Threads thus
+call the library concurrently: the ``mpi`` backend requires ``MPI_THREAD_MULTIPLE`` and
+checks it at init. Callbacks run outside the lock, in the thread that completed the
+operation.
 """
 
 from __future__ import annotations
