@@ -25,11 +25,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import Op, Pending, Then, combine
+from smddp.comm.base import HALF, Communicator, Op, Pending, Then, combine
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _check(engine: Engine, *fields):
@@ -88,7 +86,7 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
         op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
         out: where the result goes (any shape with ``n`` elements).
     """
-    acc = rows[0].to(torch.float32 if rows.dtype in _HALF else rows.dtype, copy=True)
+    acc = rows[0].to(torch.float32 if rows.dtype in HALF else rows.dtype, copy=True)
     for row in rows[1:]:
         combine(acc, row, op)
     if op is Op.AVERAGE:
@@ -103,6 +101,9 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
 def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op) -> Handle:
     """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
 
+    The communicator's own ``reduce_scatter`` where it has one (MPI, gloo, NCCL); otherwise
+    ``all_to_all_single`` and a local reduction in rank order.
+
     Raises:
         InvalidArgumentError: the sizes do not match.
         InvalidTypeError: different dtypes or devices, or a dtype the backend refuses.
@@ -115,6 +116,14 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"(world size x output elements)"
         )
     src = _flat(input)
+    if type(comm).reduce_scatter is not Communicator.reduce_scatter:
+        buf, after = engine._inplace(output)
+
+        def native(seq: int) -> Pending:
+            pending = Holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
+            return _then(pending, after) if after else pending
+
+        return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
     counts = [n] * engine.size
 

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
-from smddp.comm.base import Communicator, Context, Op, Pending, average, combine
+from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
@@ -54,8 +54,8 @@ _MPI_TYPES = {
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
 }
-if MPI.FLOAT16_T != MPI.DATATYPE_NULL:
-    _MPI_TYPES[torch.float16] = MPI.FLOAT16_T
+# float16 and bfloat16 are reduced in float32 (comm.base.HALF): no MPI half type is needed,
+# so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
 
@@ -190,7 +190,7 @@ class MPICommunicator(Communicator):
         return _Requests(self._all_reduce(tensor, op, tag))
 
     def _all_reduce_offloaded(self, tensor: torch.Tensor, op: Op) -> Pending:
-        work = tensor if tensor.dtype in _MPI_TYPES else tensor.float()
+        work = widened(tensor)
 
         def after() -> None:
             if op is Op.AVERAGE:
@@ -222,9 +222,7 @@ class MPICommunicator(Communicator):
             pending._finished.set()
 
     def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int):
-        work = tensor
-        if tensor.dtype not in _MPI_TYPES:  # bfloat16 (and float16 where MPI lacks it)
-            work = tensor.float()
+        work = widened(tensor)
         if self.size > 1:
             nbytes = work.numel() * work.element_size()
             if nbytes >= RING_MIN_BYTES and work.numel() >= self.size:
@@ -253,6 +251,24 @@ class MPICommunicator(Communicator):
             send, recv = chunks[(r + 1 - step) % n], chunks[(r - step) % n]
             yield [self.comm.Irecv(_buffer(recv), source=left, tag=tag),
                    self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+
+    # ---------------------------------------------------------------- reduce_scatter
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        return _Requests(self._reduce_scatter(output, input, op))
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op):
+        src, out = widened(input), widened(output)
+        if self.size > 1:
+            datatype = _MPI_TYPES[out.dtype]
+            # mpi4py counts the send buffer per block, as MPI_Reduce_scatter_block does.
+            send = [_buffer(src)[0], out.numel(), datatype]
+            yield [self.comm.Ireduce_scatter_block(send, _buffer(out, datatype), op=_MPI_OPS[op])]
+        else:
+            out.copy_(src)
+        if op is Op.AVERAGE:
+            average(out, self.size)
+        if out is not output:
+            output.copy_(out)
 
     # ---------------------------------------------------------------- the rest
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:

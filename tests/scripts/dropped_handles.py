@@ -100,6 +100,32 @@ def broadcast_all_gather_dropped() -> None:
         check(f"all_gather_into_tensor {numel}", out, want)
 
 
+def reduce_scatter_dropped() -> None:
+    """reduce_scatter_tensor (FSDP's collective), native on MPI and gloo, its Work dropped."""
+    cases = []
+    for numel in SIZES:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+            for op in (tdist.ReduceOp.SUM, tdist.ReduceOp.AVG):
+                salt = 90 + len(cases)
+                out = torch.empty(numel, dtype=dtype)
+                tdist.reduce_scatter_tensor(out, value(rank, size * numel, dtype, salt), op=op, async_op=True)
+                cases.append((f"reduce_scatter_tensor {op} {numel} {dtype}", out, dtype, op, salt))
+    gc.collect()
+    tdist.barrier()
+    for name, out, dtype, op, salt in cases:
+        total = summed(size * out.numel(), dtype, salt)[rank * out.numel():(rank + 1) * out.numel()]
+        if op == tdist.ReduceOp.AVG:
+            # Half precision is reduced in float32 and rounded once; integers truncate.
+            if dtype == torch.int64:
+                want = total.to(torch.int64).div(size, rounding_mode="trunc")
+            else:
+                acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+                want = total.to(acc) / size
+        else:
+            want = total
+        check(name, out, want.to(dtype))
+
+
 def work_collected_in_flight() -> None:
     for numel in SIZES:
         t = value(rank, numel, torch.float64, 60)
@@ -139,6 +165,7 @@ if "exit-in-flight" in sys.argv[1:]:
     sys.exit(0)
 all_reduce_dropped()
 broadcast_all_gather_dropped()
+reduce_scatter_dropped()
 work_collected_in_flight()
 isend_without_wait()
 if failures:
