@@ -45,9 +45,9 @@ def average(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size, rounding_mode="trunc")
 
 
-#: Half-precision tensors are reduced in float32 on every backend, then rounded once: one
-#: accumulation policy, so a result does not depend on the backend or the world size's
-#: rounding steps.
+#: Half-precision tensors are reduced in float32, then rounded once, on every CPU backend
+#: (mpi, gloo, and the derived reduce-scatter): a result does not depend on the backend or
+#: on rounding at each step. NCCL reduces in the dtype, as torch's NCCL group does.
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -83,6 +83,10 @@ class Pending(abc.ABC):
         """True when completion is ordered on a device stream (no host wait needed)."""
         return False
 
+    def waited(self) -> None:  # noqa: B027 - optional: only stream-ordered operations act here
+        """Called on every wait once the operation completed: a stream-ordered operation makes
+        the caller's current stream wait for it (the caller may wait from another stream)."""
+
     # A subclass may also define ``block(seconds)``: sleep until the operation completes or
     # ``seconds`` pass, without polling. The engine then sleeps on it instead of spinning.
 
@@ -111,6 +115,9 @@ class Then(Pending):
 
     def stream_aware(self) -> bool:
         return self._pending.stream_aware()
+
+    def waited(self) -> None:
+        self._pending.waited()
 
 
 @dataclass

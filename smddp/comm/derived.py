@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import HALF, Communicator, Op, Pending, Then, combine
+from smddp.comm.base import HALF, Communicator, Op, Pending, Then, average, combine
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -60,6 +60,9 @@ class Holding(Pending):
     def stream_aware(self) -> bool:
         return self._pending.stream_aware()
 
+    def waited(self) -> None:
+        self._pending.waited()
+
 
 def _then(pending: Pending, action: Callable[[], object]) -> Pending:
     """``action()`` once ``pending`` completes.
@@ -90,10 +93,7 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
     for row in rows[1:]:
         combine(acc, row, op)
     if op is Op.AVERAGE:
-        if acc.is_floating_point() or acc.is_complex():
-            acc.div_(rows.shape[0])
-        else:
-            acc.div_(rows.shape[0], rounding_mode="trunc")
+        average(acc, rows.shape[0])
     out.detach().copy_(acc.view(out.shape))
 
 
@@ -253,9 +253,8 @@ class Joined:
     It has what :class:`~smddp.torch.process_group.Work` asks of a handle.
     """
 
-    def __init__(self, handles: Sequence[Handle], result=None):
+    def __init__(self, handles: Sequence[Handle]):
         self._handles = list(handles)
-        self.result = result
         self._lock = threading.Lock()
         self._left = len(self._handles)
         self._callbacks: List[Callable[[Joined], None]] = []
@@ -296,7 +295,7 @@ class Joined:
             callback(self)
 
 
-def each(start_one: Callable, *lists: Sequence, result=None) -> Joined:
+def each(start_one: Callable, *lists: Sequence) -> Joined:
     """Start ``start_one(*items)`` for each position of ``lists``; one :class:`Joined` for all.
 
     Raises:
@@ -305,7 +304,7 @@ def each(start_one: Callable, *lists: Sequence, result=None) -> Joined:
     lengths = {len(items) for items in lists}
     if len(lengths) > 1:
         raise InvalidArgumentError(f"coalesced collective: the tensor lists have different lengths {sorted(lengths)}")
-    return Joined([start_one(*items) for items in zip(*lists)], result)
+    return Joined([start_one(*items) for items in zip(*lists)])
 
 
 # ---------------------------------------------------------------------------- point-to-point

@@ -119,6 +119,7 @@ class Handle:
             raise
         if self._error is not None:
             raise self._error
+        self._pending.waited()
         return True
 
     def exception(self) -> Optional[BaseException]:
