@@ -79,7 +79,7 @@ class Handle:
         self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
         self._done = False  # ... and every collective issued before this one is done
         self._error: Optional[BaseException] = None
-        self._callbacks: List[Callable[[Handle], None]] = []
+        self._callbacks: Optional[List[Callable[[Handle], None]]] = []
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
         self.ordered = ordered
@@ -133,7 +133,7 @@ class Handle:
         and :meth:`wait` raises it.
         """
         with self._engine._cv:
-            if not self._done:
+            if not self._done and self._callbacks is not None:
                 self._callbacks.append(callback)
                 return
         self._engine._call_back(self, [callback])
@@ -612,8 +612,10 @@ class Engine:
                     if handle._finished:
                         if handle.ordered and handle._error is not None and failed is None:
                             failed = handle
-                        handle._done = True
-                        finished.append(handle)
+                        if handle._callbacks:
+                            finished.append(handle)  # done once its callbacks have run
+                        else:
+                            handle._done = True
                         continue
                     if handle.ordered:
                         blocked = handle
@@ -622,10 +624,11 @@ class Engine:
             callbacks = []
             for handle in finished:
                 callbacks.append(handle._callbacks)
-                handle._callbacks = []
+                handle._callbacks = None  # completing: a callback added now runs at once
         for handle, calls in zip(finished, callbacks):
-            if calls:
-                self._call_back(handle, calls)
+            self._call_back(handle, calls)
+            # Done only now: a wait() that returns has seen a raising callback's error.
+            handle._done = True
 
     def _call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
         for callback in callbacks:

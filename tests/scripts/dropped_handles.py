@@ -17,7 +17,10 @@ import sys
 import torch
 import torch.distributed as tdist
 
+import smddp
 import smddp.torch.distributed as dist
+from smddp.comm.base import Op
+from smddp.torch import process_group
 
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
@@ -151,6 +154,26 @@ def isend_without_wait() -> None:
         check(f"all_reduce after isend {numel}", total, torch.full((2,), float(size)))
 
 
+def raising_callback() -> None:
+    """A done-callback that raises fails its operation only; the next collectives run."""
+    engine = process_group.current().engine
+    t = torch.full((4,), float(rank))
+    handle = engine.all_reduce(t, Op.SUM, async_op=True)
+    handle.add_done_callback(lambda _h: 1 // 0)
+    try:
+        handle.wait()
+    except smddp.CollectiveError as exc:
+        ok = "ZeroDivisionError" in str(exc)
+    else:
+        ok = False
+    check("raising callback fails its operation" if ok else "raising callback not reported",
+          torch.tensor(ok), torch.tensor(True))
+    check("the operation itself completed", t, torch.full((4,), float(sum(range(size)))))
+    after = torch.full((4,), 1.0)
+    tdist.all_reduce(after)
+    check("collectives after a raising callback", after, torch.full((4,), float(size)))
+
+
 def exit_in_flight() -> None:
     # Started and dropped: the interpreter exits with them in flight.
     for numel in SIZES:
@@ -168,6 +191,7 @@ broadcast_all_gather_dropped()
 reduce_scatter_dropped()
 work_collected_in_flight()
 isend_without_wait()
+raising_callback()
 if failures:
     print(f"FAILURES {rank} {failures}", flush=True)
 else:
