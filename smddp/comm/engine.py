@@ -379,6 +379,7 @@ class Engine:
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
                 raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+            handle = None
             if async_op or self._inflight:
                 # A synchronous collective behind asynchronous ones completes after them.
                 handle = self._track(Handle(self, seq, op_name, pending))
@@ -386,7 +387,7 @@ class Engine:
             self._last_handle = handle
             return handle
         self._last_start = time.monotonic()
-        if self._inflight:
+        if handle is not None:
             handle.wait()
         else:
             self._wait_inline(seq, op_name, pending)
