@@ -172,7 +172,7 @@ def test_joined_completes_once_all_do(world_of_one):
 
     engine = process_group.current().engine
     tensors = [torch.ones(2), torch.ones(3)]
-    joined = derived.each(lambda t: engine.all_reduce(t, Op.SUM, async_op=True), tensors, result=tensors)
+    joined = derived.each(lambda t: engine.all_reduce(t, Op.SUM, async_op=True), tensors)
     seen = []
     joined.add_done_callback(seen.append)
     joined.wait()

@@ -4,7 +4,13 @@ A communicator moves bytes between the ranks of one job with one library (MPI, g
 NCCL, oneCCL). It sees only what the :class:`~smddp.comm.engine.Engine` prepared:
 contiguous, detached tensors on its device, flat buffers for ``all_gather`` and
 ``all_to_all_single``, counts in elements. Each call *starts* the operation and returns a
-:class:`Pending`; the engine owns sequence numbers, timeouts and handles.
+:class:`Pending`; the engine owns sequence numbers, timeouts and handles, and holds every
+Pending (and so every buffer it references) until it completes, whoever holds the handle.
+
+Interface changes (issue 13): ``reduce_scatter(output, input, op, tag)`` is new and optional
+(the default raises NotImplementedError and the engine derives it from
+``all_to_all_single``); half precision is reduced in float32 on every backend (:data:`HALF`,
+:func:`widened`). ``Pending`` is unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +45,17 @@ def average(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size, rounding_mode="trunc")
 
 
+#: Half-precision tensors are reduced in float32, then rounded once, on every CPU backend
+#: (mpi, gloo, and the derived reduce-scatter): a result does not depend on the backend or
+#: on rounding at each step. NCCL reduces in the dtype, as torch's NCCL group does.
+HALF = (torch.float16, torch.bfloat16)
+
+
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or a float32 copy of a half-precision one, to reduce in."""
+    return tensor.float() if tensor.dtype in HALF else tensor
+
+
 def combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
     """Fold ``incoming`` into ``acc`` in place with ``op`` (AVERAGE folds as a sum)."""
     if op in (Op.SUM, Op.AVERAGE):
@@ -65,6 +82,10 @@ class Pending(abc.ABC):
     def stream_aware(self) -> bool:
         """True when completion is ordered on a device stream (no host wait needed)."""
         return False
+
+    def waited(self) -> None:  # noqa: B027 - optional: only stream-ordered operations act here
+        """Called on every wait once the operation completed: a stream-ordered operation makes
+        the caller's current stream wait for it (the caller may wait from another stream)."""
 
     # A subclass may also define ``block(seconds)``: sleep until the operation completes or
     # ``seconds`` pass, without polling. The engine then sleeps on it instead of spinning.
@@ -94,6 +115,9 @@ class Then(Pending):
 
     def stream_aware(self) -> bool:
         return self._pending.stream_aware()
+
+    def waited(self) -> None:
+        self._pending.waited()
 
 
 @dataclass
@@ -154,6 +178,24 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self, tag: int) -> Pending:
         """Complete once every rank has entered the barrier."""
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        """Reduce flat ``input`` (``size * output.numel()`` elements) over ranks; rank r gets slice r.
+
+        Optional: a backend without a native reduce-scatter keeps this default, and the engine
+        builds it from ``all_to_all_single`` (:func:`smddp.comm.derived.reduce_scatter_tensor`).
+        Half precision is reduced in float32 (:data:`HALF`); AVERAGE divides the sum by ``size``.
+
+        Args:
+            output: flat, contiguous; receives this rank's slice of the reduction.
+            input: flat, contiguous, ``size * output.numel()`` elements.
+            op: the reduction.
+            tag: the collective's sequence number.
+
+        Raises:
+            NotImplementedError: this backend has no native reduce-scatter.
+        """
+        raise NotImplementedError(f"the {self.name!r} backend has no native reduce_scatter")
 
     # Point-to-point is optional: a backend that cannot do it keeps these defaults.
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:

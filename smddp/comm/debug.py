@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 ENV = "SMDDP_DEBUG"
 
-KINDS = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier")
+KINDS = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier", "reduce_scatter")
 _OPS = tuple(Op)
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,

@@ -25,11 +25,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import Op, Pending, Then, combine
+from smddp.comm.base import HALF, Communicator, Op, Pending, Then, average, combine
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _check(engine: Engine, *fields):
@@ -37,10 +35,8 @@ def _check(engine: Engine, *fields):
     return fields if getattr(engine, "_debug", None) is not None else None
 
 
-def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], result, check=None) -> Handle:
-    if check is None:
-        return engine._start(op_name, start, True, result)
-    return engine._start(op_name, start, True, result, check=check)
+def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=None) -> Handle:
+    return engine._start(op_name, start, True, check)
 
 
 class Holding(Pending):
@@ -63,6 +59,9 @@ class Holding(Pending):
 
     def stream_aware(self) -> bool:
         return self._pending.stream_aware()
+
+    def waited(self) -> None:
+        self._pending.waited()
 
 
 def _then(pending: Pending, action: Callable[[], object]) -> Pending:
@@ -90,20 +89,20 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
         op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
         out: where the result goes (any shape with ``n`` elements).
     """
-    acc = rows[0].to(torch.float32 if rows.dtype in _HALF else rows.dtype, copy=True)
+    acc = rows[0].to(torch.float32 if rows.dtype in HALF else rows.dtype, copy=True)
     for row in rows[1:]:
         combine(acc, row, op)
     if op is Op.AVERAGE:
-        if acc.is_floating_point() or acc.is_complex():
-            acc.div_(rows.shape[0])
-        else:
-            acc.div_(rows.shape[0], rounding_mode="trunc")
+        average(acc, rows.shape[0])
     out.detach().copy_(acc.view(out.shape))
 
 
 # ---------------------------------------------------------------------------- reductions
 def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op) -> Handle:
     """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
+
+    The communicator's own ``reduce_scatter`` where it has one (MPI, gloo, NCCL); otherwise
+    ``all_to_all_single`` and a local reduction in rank order.
 
     Raises:
         InvalidArgumentError: the sizes do not match.
@@ -117,6 +116,14 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"(world size x output elements)"
         )
     src = _flat(input)
+    if type(comm).reduce_scatter is not Communicator.reduce_scatter:
+        buf, after = engine._inplace(output)
+
+        def native(seq: int) -> Pending:
+            pending = Holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
+            return _then(pending, after) if after else pending
+
+        return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
     counts = [n] * engine.size
 
@@ -125,7 +132,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         return _then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
-    return _start(engine, "reduce_scatter_tensor", start, [output], check)
+    return _start(engine, "reduce_scatter_tensor", start, check)
 
 
 def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op) -> Handle:
@@ -175,7 +182,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
         return _then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
-    return _start(engine, "gather", start, [list(outs)], check)
+    return _start(engine, "gather", start, check)
 
 
 def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Handle:
@@ -204,7 +211,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
         return _then(pending, after) if after else pending
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "scatter", start, [output], check)
+    return _start(engine, "scatter", start, check)
 
 
 def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
@@ -236,7 +243,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
         return _then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "all_to_all", start, [list(outs)], check)
+    return _start(engine, "all_to_all", start, check)
 
 
 # ---------------------------------------------------------------------------- several at once
@@ -246,9 +253,8 @@ class Joined:
     It has what :class:`~smddp.torch.process_group.Work` asks of a handle.
     """
 
-    def __init__(self, handles: Sequence[Handle], result=None):
+    def __init__(self, handles: Sequence[Handle]):
         self._handles = list(handles)
-        self.result = result
         self._lock = threading.Lock()
         self._left = len(self._handles)
         self._callbacks: List[Callable[[Joined], None]] = []
@@ -289,7 +295,7 @@ class Joined:
             callback(self)
 
 
-def each(start_one: Callable, *lists: Sequence, result=None) -> Joined:
+def each(start_one: Callable, *lists: Sequence) -> Joined:
     """Start ``start_one(*items)`` for each position of ``lists``; one :class:`Joined` for all.
 
     Raises:
@@ -298,7 +304,7 @@ def each(start_one: Callable, *lists: Sequence, result=None) -> Joined:
     lengths = {len(items) for items in lists}
     if len(lengths) > 1:
         raise InvalidArgumentError(f"coalesced collective: the tensor lists have different lengths {sorted(lengths)}")
-    return Joined([start_one(*items) for items in zip(*lists)], result)
+    return Joined([start_one(*items) for items in zip(*lists)])
 
 
 # ---------------------------------------------------------------------------- point-to-point
@@ -313,7 +319,7 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
     engine._check_usable()
     comm = engine._comm_for(tensor)
     src = tensor.detach().contiguous()
-    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src), [tensor])
+    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src))
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
@@ -336,13 +342,14 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
     pending = comm.recv(buf, src, tag)
     held = Holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
-    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held, [tensor])
+    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held)
     return handle, lambda: pending.source
 
 
-def _p2p(engine: Engine, op_name: str, pending: Pending, result) -> Handle:
-    # A message involves two ranks: it is named by the latest collective, never numbered.
-    return Handle(engine, engine.seq, op_name, pending, result)
+def _p2p(engine: Engine, op_name: str, pending: Pending) -> Handle:
+    # A message involves two ranks: it is named by the latest collective, never numbered, and
+    # completes on its own, not in the collectives' issue order.
+    return engine._track(Handle(engine, engine.seq, op_name, pending, ordered=False))
 
 
 def _check_peer(engine: Engine, peer, what: str, tag) -> None:

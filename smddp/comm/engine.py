@@ -14,7 +14,17 @@ Every collective, whether it comes from smddp's own functions or from
   :class:`~smddp.errors.CollectiveTimeout` instead of hanging, after which the job is
   broken and further collectives fail at once;
 - progresses asynchronous operations on one background thread, so their futures
-  complete while the caller computes (torch's DDP overlaps backward with this).
+  complete while the caller computes (torch's DDP overlaps backward with this);
+- owns every asynchronous operation until it completes, and completes a group's
+  collectives in issue order: dropping a handle never changes a result.
+
+Thread model (docs/architecture.md has the whole of it): any thread may start a collective
+(numbering and starting are one step, under ``_start_lock``); operations in flight are
+tested under the engine's lock by the progress thread and by threads that wait; a
+synchronous operation with nothing in flight is tested by its caller alone. Threads thus
+call the library concurrently: the ``mpi`` backend requires ``MPI_THREAD_MULTIPLE`` and
+checks it at init. Callbacks run outside the lock, in the thread that completed the
+operation.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 from smddp import _excepthook
 from smddp.comm import debug as _debug
 from smddp.comm import stall as _stall
-from smddp.comm.base import Communicator, Done, Op, Pending, Then
+from smddp.comm.base import DONE, Communicator, Op, Pending, Then
 from smddp.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -52,46 +62,36 @@ _BACKWARD_ALL_REDUCE = "all_reduce (during backward: DDP gradients)"
 
 
 class Handle:
-    """A collective in flight: ``wait()`` and ``is_completed()``, like torch's Work."""
+    """A collective in flight: ``wait()`` and ``is_completed()``, like torch's Work.
 
-    __slots__ = ("_engine", "seq", "op_name", "_pending", "_lock", "_done", "_error",
-                 "_callbacks", "deadline", "result")
+    The engine holds every handle (and so its Pending and every buffer the Pending keeps)
+    until the operation completes: dropping a handle changes nothing.
+    """
 
-    def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, result=None):
+    __slots__ = ("_engine", "seq", "op_name", "_pending", "_finished", "_done", "_error",
+                 "_callbacks", "deadline", "ordered")
+
+    def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True):
         self._engine = engine
         self.seq = seq
         self.op_name = op_name
         self._pending = pending
-        self._lock = threading.Lock()
-        self._done = False
+        self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
+        self._done = False  # ... and every collective issued before this one is done
         self._error: Optional[BaseException] = None
-        self._callbacks: List[Callable[[Handle], None]] = []
+        self._callbacks: Optional[List[Callable[[Handle], None]]] = []
         self.deadline = time.monotonic() + engine.timeout
-        #: What the operation produced (torch's Work futures carry the output tensors).
-        self.result = result
+        #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
+        self.ordered = ordered
 
     def is_completed(self) -> bool:
         """Make progress; True once the operation has finished (or failed)."""
-        if self._done:
-            return True
-        with self._lock:
-            if self._done:
-                return True
-            try:
-                done = self._pending.test()
-            except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
-                self._error = self._engine._fail(exc, self)
-                done = True
-            if done:
-                self._done = True
-                callbacks, self._callbacks = self._callbacks, []
-        if done:
-            for callback in callbacks:
-                callback(self)
-        return done
+        if not self._done:
+            self._engine._poll()
+        return self._done
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the operation completes.
+        """Block until the operation (and every collective issued before it) completes.
 
         Args:
             timeout: seconds to wait at most; default the process group's timeout.
@@ -103,27 +103,23 @@ class Handle:
             CollectiveTimeout: it did not complete in time (the job is then broken).
             CollectiveError: it failed.
         """
-        deadline = self.deadline if timeout is None else time.monotonic() + timeout
+        if timeout is not None:
+            self.deadline = min(self.deadline, time.monotonic() + timeout)
         block = getattr(self._pending, "block", None)
         polls = 0
         try:
             while not self.is_completed():
                 polls += 1
-                if block is not None:
-                    if time.monotonic() > deadline:
-                        self._expire()
-                        break
-                    block(min(_BLOCK_SLICE, max(0.0, deadline - time.monotonic())))
+                if block is not None and not self._finished:
+                    block(min(_BLOCK_SLICE, max(0.0, self.deadline - time.monotonic())))
                 elif polls > _HOT_POLLS:
-                    if time.monotonic() > deadline:
-                        self._expire()
-                        break
                     time.sleep(0 if polls < _WARM_POLLS else 0.0005)
         except KeyboardInterrupt:
             self._engine._interrupted(self.seq, self.op_name)
             raise
         if self._error is not None:
             raise self._error
+        self._pending.waited()
         return True
 
     def exception(self) -> Optional[BaseException]:
@@ -131,26 +127,34 @@ class Handle:
         return self._error
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
-        """Call ``callback(handle)`` once the operation has finished, from any thread."""
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                self._engine._watch(self)
-                return
-        callback(self)
+        """Call ``callback(handle)`` once the operation has finished, from any thread.
 
-    def _expire(self) -> None:
-        if self._done:
-            return
-        error = self._engine._timeout_error(self)  # asks the other ranks: not under the lock
-        with self._lock:
-            if self._done:
+        A callback that raises fails this operation only: the error is reported on stderr
+        and :meth:`wait` raises it.
+        """
+        with self._engine._cv:
+            if not self._done and self._callbacks is not None:
+                self._callbacks.append(callback)
                 return
-            self._error = self._engine._fail(error, self)
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
+        self._engine._call_back(self, [callback])
+
+    def _advance(self, now: float) -> None:
+        """Test the Pending once; fail it past its deadline. Called under the engine's lock."""
+        try:
+            if self._pending.test():
+                self._finished = True
+                return
+        except Exception as exc:  # noqa: BLE001 - surfaced by wait()
+            self._finish_failed(self._engine._fail(exc, self))
+            return
+        if now > self.deadline:
+            self._finish_failed(self._engine._fail(self._engine._timeout(self.seq, self.op_name), self))
+
+    def _finish_failed(self, error: BaseException) -> None:
+        self._error = error
+        self._finished = True
+        # The library may still hold the buffers' addresses: they live as long as the engine.
+        self._engine._abandoned.append(self._pending)
 
 
 class Engine:
@@ -175,11 +179,15 @@ class Engine:
         self.seq = 0
         self._broken: Optional[BaseException] = None
         self._closed = False
-        self._watched: List[Handle] = []
-        self._watch_cv = threading.Condition()
+        # Every asynchronous operation started and not yet done, in issue order. The engine,
+        # not the caller's handle, owns them: see _poll. One lock guards them and their
+        # handles' state, and lets one thread at a time test Pendings.
+        self._inflight: List[Handle] = []
+        self._cv = threading.Condition()
+        # Pendings that failed or timed out while the library may still hold their buffers.
+        self._abandoned: List[Pending] = []
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
-        self._by_device = dict(self.comms)
         self._cpu_comm = self.comms.get("cpu")  # tensor.is_cpu is 10x cheaper than tensor.device.type
         # What this rank is doing, for the ranks that time out waiting for it.
         self._last_op = ""  # the name of collective number self.seq
@@ -212,6 +220,7 @@ class Engine:
             ) from self._broken
 
     def _fail(self, exc: BaseException, handle: Handle) -> BaseException:
+        """``exc`` as the CollectiveError that ``handle`` ends with; the job is broken by it."""
         if not isinstance(exc, CollectiveError):
             # A peer that died or left shows here first (gloo: "connection closed"): say where the others are.
             report = self._stall_report(handle.seq, handle.op_name, stalled=False) if self._broken is None else ""
@@ -223,9 +232,6 @@ class Engine:
         if self._broken is None:
             self._broken = exc
         return exc
-
-    def _timeout_error(self, handle: Handle) -> CollectiveTimeout:
-        return self._timeout(handle.seq, handle.op_name)
 
     def _timeout(self, seq: int, op_name: str) -> CollectiveTimeout:
         return CollectiveTimeout(
@@ -322,7 +328,7 @@ class Engine:
         if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
             # The hot path (one tensor): a few attribute reads.
             tensor = tensors[0]
-            comm = self._cpu_comm if tensor.is_cpu else self._by_device.get(tensor.device.type)
+            comm = self._cpu_comm if tensor.is_cpu else self.comms.get(tensor.device.type)
             if comm is not None and tensors[0].dtype in comm.dtypes:
                 return comm
         device = tensors[0].device
@@ -347,7 +353,7 @@ class Engine:
         return comm
 
     def _start(
-        self, op_name: str, start: Callable[[int], Pending], async_op: bool, result=None, check=None
+        self, op_name: str, start: Callable[[int], Pending], async_op: bool, check=None
     ) -> Optional[Handle]:
         """Number and start a collective; wait for it here unless ``async_op``.
 
@@ -372,38 +378,48 @@ class Engine:
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-                handle = Handle(self, seq, op_name, Done(), result)
-                raise self._fail(exc, handle) from exc
+                raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+            handle = None
+            if async_op or self._inflight:
+                # A synchronous collective behind asynchronous ones completes after them.
+                handle = self._track(Handle(self, seq, op_name, pending))
         if async_op:
-            handle = self._last_handle = Handle(self, seq, op_name, pending, result)
+            self._last_handle = handle
             return handle
-        self._wait_inline(seq, op_name, pending)
+        self._last_start = time.monotonic()
+        if handle is not None:
+            handle.wait()
+        else:
+            self._wait_inline(seq, op_name, pending)
         self._done_seq = seq
         return None
 
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
-        """Wait for a synchronous collective in the caller's thread: no handle, no lock."""
-        started = self._last_start = time.monotonic()
+        """Wait for a synchronous collective, nothing else in flight, in the caller's thread.
+
+        The one wait loop without a handle: the hot path of synchronous collectives.
+        """
+        deadline = time.monotonic() + self.timeout
         block = getattr(pending, "block", None)
         polls = 0
         try:
             while not pending.test():
                 polls += 1
-                if block is not None and time.monotonic() - started <= self.timeout:
-                    block(min(_BLOCK_SLICE, max(0.0, started + self.timeout - time.monotonic())))
-                elif polls > _HOT_POLLS or block is not None:
-                    if time.monotonic() - started > self.timeout:
-                        handle = Handle(self, seq, op_name, pending)
-                        handle._expire()
-                        raise handle.exception()
-                    time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+                if block is not None or polls > _HOT_POLLS:
+                    if time.monotonic() > deadline:
+                        self._abandoned.append(pending)
+                        raise self._stalled(seq, op_name)
+                    if block is not None:
+                        block(min(_BLOCK_SLICE, max(0.0, deadline - time.monotonic())))
+                    else:
+                        time.sleep(0 if polls < _WARM_POLLS else 0.0005)
         except CollectiveError:
             raise
         except KeyboardInterrupt:
             self._interrupted(seq, op_name)
             raise
         except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-            raise self._fail(exc, Handle(self, seq, op_name, Done())) from exc
+            raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
 
     @staticmethod
     def _inplace(tensor: torch.Tensor):
@@ -433,7 +449,7 @@ class Engine:
             return Then(pending, after) if after else pending
 
         check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
-        return self._start(_BACKWARD_ALL_REDUCE if backward else "all_reduce", start, async_op, [tensor], check)
+        return self._start(_BACKWARD_ALL_REDUCE if backward else "all_reduce", start, async_op, check)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Handle]:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
@@ -446,7 +462,7 @@ class Engine:
             return Then(pending, after) if after else pending
 
         check = None if self._debug is None else ("broadcast", None, tensor, src)
-        return self._start("broadcast", start, async_op, [tensor], check)
+        return self._start("broadcast", start, async_op, check)
 
     def all_gather(
         self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
@@ -465,7 +481,7 @@ class Engine:
 
         return self._start(
             "all_gather", lambda seq: Then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
-            async_op, [list(tensor_list)], None if self._debug is None else ("all_gather", None, tensor),
+            async_op, None if self._debug is None else ("all_gather", None, tensor),
         )
 
     def all_gather_into_tensor(
@@ -486,7 +502,7 @@ class Engine:
             return Then(pending, after) if after else pending
 
         check = None if self._debug is None else ("all_gather", None, input)
-        return self._start("all_gather_into_tensor", start, async_op, [output], check)
+        return self._start("all_gather_into_tensor", start, async_op, check)
 
     def all_to_all_single(
         self,
@@ -509,11 +525,11 @@ class Engine:
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))
-        return self._start("all_to_all_single", start, async_op, [output], check)
+        return self._start("all_to_all_single", start, async_op, check)
 
     def barrier(self, async_op: bool = False) -> Optional[Handle]:
         """Complete once every rank has entered the barrier."""
-        return self._start("barrier", self.primary.barrier, async_op, [], None if self._debug is None else ("barrier",))
+        return self._start("barrier", self.primary.barrier, async_op, None if self._debug is None else ("barrier",))
 
     # ------------------------------------------------------------------ validation
     def _check_per_rank(
@@ -557,42 +573,118 @@ class Engine:
             )
         return [s * row_numel for s in splits]
 
-    # ------------------------------------------------------------------ progress thread
-    def _watch(self, handle: Handle) -> None:
-        with self._watch_cv:
-            self._watched.append(handle)
+    # ------------------------------------------------------------------ progress
+    def _track(self, handle: Handle) -> Handle:
+        """Own ``handle`` until it completes; the progress thread advances it meanwhile."""
+        with self._cv:
+            self._inflight.append(handle)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
                 self._thread.start()
-            self._watch_cv.notify()
+            self._cv.notify()
+        return handle
+
+    def _poll(self) -> None:
+        """Advance every operation in flight once; complete them in issue order.
+
+        Every Pending is tested on each pass, so a ring whose handle nobody holds keeps
+        posting its stages. A collective is done once its Pending is and every collective
+        issued before it is done; once one fails, the collectives after it fail too (the ranks
+        are no longer in step). Callbacks run after the lock is released, in issue order.
+        """
+        finished: List[Handle] = []
+        with self._cv:
+            if not self._inflight:
+                return
+            now = time.monotonic()
+            keep: List[Handle] = []
+            blocked: Optional[Handle] = None  # the earliest collective not yet done
+            failed: Optional[Handle] = None  # the earliest collective that failed
+            for handle in self._inflight:
+                if not handle._finished:
+                    if failed is not None and handle.ordered:
+                        handle._finish_failed(CollectiveError(
+                            f"{handle.op_name} (sequence number {handle.seq}) was cancelled on rank "
+                            f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
+                            f"before it, failed"))
+                    else:
+                        handle._advance(now)
+                if not handle.ordered or blocked is None:
+                    if handle._finished:
+                        if handle.ordered and handle._error is not None and failed is None:
+                            failed = handle
+                        if handle._callbacks:
+                            finished.append(handle)  # done once its callbacks have run
+                        else:
+                            handle._done = True
+                        continue
+                    if handle.ordered:
+                        blocked = handle
+                keep.append(handle)
+            self._inflight = keep
+            callbacks = []
+            for handle in finished:
+                callbacks.append(handle._callbacks)
+                handle._callbacks = None  # completing: a callback added now runs at once
+        for handle, calls in zip(finished, callbacks):
+            self._call_back(handle, calls)
+            # Done only now: a wait() that returns has seen a raising callback's error.
+            handle._done = True
+
+    def _call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback(handle)
+            except Exception as exc:  # noqa: BLE001 - fails this operation, not the progress thread
+                error = CollectiveError(
+                    f"a done-callback of {handle.op_name} (sequence number {handle.seq}) raised on rank "
+                    f"{self.rank}: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                print(f"smddp: {error}", file=sys.stderr)
+                if handle._error is None:
+                    handle._error = error
 
     def _progress(self) -> None:
+        """The progress thread: advance operations in flight while the caller computes."""
         while True:
-            with self._watch_cv:
-                while not self._watched and not self._closed:
-                    self._watch_cv.wait()
-                if self._closed and not self._watched:
+            with self._cv:
+                while not self._inflight and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._inflight:
                     return
-                handles = list(self._watched)
-            finished = [h for h in handles if h.is_completed()]
-            now = time.monotonic()
-            for h in handles:
-                if h not in finished and now > h.deadline:
-                    h._expire()
-                    finished.append(h)
-            with self._watch_cv:
-                self._watched = [h for h in self._watched if h not in finished]
-                busy = bool(self._watched)
-            if busy:
-                time.sleep(2e-5)
+            self._poll()
+            time.sleep(2e-5)
+
+    def _drain(self) -> bool:
+        """Wait for every operation in flight, each within its deadline; True if all completed."""
+        while True:
+            with self._cv:
+                if not self._inflight:
+                    return not self._abandoned
+                last = self._inflight[-1]
+            try:
+                last.wait()
+            except CollectiveError as exc:
+                print(f"smddp: rank {self.rank}: at teardown: {exc}", file=sys.stderr)
 
     def close(self) -> None:
-        """Stop the progress thread and close every communicator."""
+        """Drain operations in flight, stop the progress thread, then close every communicator.
+
+        Operations still in flight complete first (each within the timeout); the progress
+        thread is stopped and joined; communicators are freed only if no library may still
+        hold a buffer of a failed operation.
+        """
         if self._closed:
             return
-        with self._watch_cv:
+        clean = self._broken is None and self._drain()
+        with self._cv:
             self._closed = True
-            self._watch_cv.notify_all()
+            self._abandoned.extend(handle._pending for handle in self._inflight)
+            self._inflight.clear()
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         if self._channel is not None:
             if self._broken is None:
                 self._end_note = {"state": "closed"}
@@ -603,6 +695,8 @@ class Engine:
             self._channel.close()
         if self._broken is None:
             _excepthook.forget(self)  # a broken engine still ends the job at exit
+        if not clean:
+            return  # freeing a communicator under a request still in flight is undefined
         closed = set()
         for comm in self.comms.values():
             if id(comm) not in closed:

@@ -2,6 +2,9 @@
 
 The default under torchrun, or where mpi4py is missing. Each call starts a gloo
 operation (gloo runs it on its own threads) and completes through its Work.
+
+reduce_scatter stays the engine's derived one (all_to_all_single, then a local reduction):
+torch's gloo ``_reduce_scatter_base`` stalled on 2 ranks under mpirun (torch 2.13).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from smddp.comm.base import Communicator, Context, Op, Pending, average
+from smddp.comm.base import Communicator, Context, Op, Pending, average, widened
 from smddp.errors import BackendUnavailableError
 
 _GLOO_OPS = {
@@ -94,7 +97,7 @@ class GlooCommunicator(Communicator):
         self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        work = tensor if tensor.dtype != torch.bfloat16 else tensor.float()
+        work = widened(tensor)
         opts = tdist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS[op]
 

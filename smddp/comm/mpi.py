@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
-from smddp.comm.base import Communicator, Context, Op, Pending, average, combine
+from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
@@ -54,8 +54,8 @@ _MPI_TYPES = {
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
 }
-if MPI.FLOAT16_T != MPI.DATATYPE_NULL:
-    _MPI_TYPES[torch.float16] = MPI.FLOAT16_T
+# float16 and bfloat16 are reduced in float32 (comm.base.HALF): no MPI half type is needed,
+# so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
 
@@ -67,6 +67,36 @@ def _buffer(t: torch.Tensor, datatype=None):
     if datatype is None:
         return [mem, nbytes, MPI.BYTE]
     return [mem, t.numel(), datatype]
+
+
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+}
+
+
+def _check_thread_level() -> None:
+    """Refuse an MPI initialized below ``MPI_THREAD_MULTIPLE``.
+
+    The engine calls MPI from the caller's thread, its progress thread and the thread that
+    runs backward (see the thread model in :mod:`smddp.comm.engine`). mpi4py requests
+    ``MPI_THREAD_MULTIPLE`` when it initializes MPI; a lower level means another library
+    initialized MPI first, or ``mpi4py.rc.thread_level`` was lowered.
+
+    Raises:
+        BackendUnavailableError: the MPI library provides less than ``MPI_THREAD_MULTIPLE``.
+    """
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        name = _THREAD_LEVELS.get(level, str(level))
+        raise BackendUnavailableError(
+            f"the 'mpi' backend needs MPI_THREAD_MULTIPLE, but MPI was initialized with {name} "
+            f"(by mpi4py.rc.thread_level, or by a library that called MPI_Init before smddp). Import "
+            f"smddp before that library and leave mpi4py.rc.thread_level at 'multiple', use an MPI "
+            f"built with thread support, or choose another backend (SMDDP_BACKEND=gloo)"
+        )
 
 
 class _Requests(Pending):
@@ -127,6 +157,7 @@ class MPICommunicator(Communicator):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
+        _check_thread_level()
         _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
         self.comm = MPI.COMM_WORLD.Dup()
         # Users' point-to-point tags get a communicator of their own: they can never
@@ -159,7 +190,7 @@ class MPICommunicator(Communicator):
         return _Requests(self._all_reduce(tensor, op, tag))
 
     def _all_reduce_offloaded(self, tensor: torch.Tensor, op: Op) -> Pending:
-        work = tensor if tensor.dtype in _MPI_TYPES else tensor.float()
+        work = widened(tensor)
 
         def after() -> None:
             if op is Op.AVERAGE:
@@ -191,9 +222,7 @@ class MPICommunicator(Communicator):
             pending._finished.set()
 
     def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int):
-        work = tensor
-        if tensor.dtype not in _MPI_TYPES:  # bfloat16 (and float16 where MPI lacks it)
-            work = tensor.float()
+        work = widened(tensor)
         if self.size > 1:
             nbytes = work.numel() * work.element_size()
             if nbytes >= RING_MIN_BYTES and work.numel() >= self.size:
@@ -222,6 +251,24 @@ class MPICommunicator(Communicator):
             send, recv = chunks[(r + 1 - step) % n], chunks[(r - step) % n]
             yield [self.comm.Irecv(_buffer(recv), source=left, tag=tag),
                    self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+
+    # ---------------------------------------------------------------- reduce_scatter
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        return _Requests(self._reduce_scatter(output, input, op))
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op):
+        src, out = widened(input), widened(output)
+        if self.size > 1:
+            datatype = _MPI_TYPES[out.dtype]
+            # mpi4py counts the send buffer per block, as MPI_Reduce_scatter_block does.
+            send = [_buffer(src)[0], out.numel(), datatype]
+            yield [self.comm.Ireduce_scatter_block(send, _buffer(out, datatype), op=_MPI_OPS[op])]
+        else:
+            out.copy_(src)
+        if op is Op.AVERAGE:
+            average(out, self.size)
+        if out is not output:
+            output.copy_(out)
 
     # ---------------------------------------------------------------- the rest
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:

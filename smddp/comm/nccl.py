@@ -17,7 +17,8 @@ The default on CUDA machines. How it runs:
   torch's NCCL ``Work.wait()``: once ``test()`` returns True, every kernel the caller
   queues afterwards on its current stream runs after the collective. ``test()`` returns
   True at once; if the caller's current stream is not the one the collective ran on, it
-  first makes that stream wait on the collective's CUDA event. The host never blocks
+  first makes that stream wait on the collective's CUDA event, and so does every later
+  wait on the handle (the caller may wait from another stream). The host never blocks
   (``query()`` and ``synchronize()`` on the Pending are there for code that must).
   NCCL's asynchronous errors (a peer that died) are checked on every ``test()``.
   ``barrier()`` does block the host until every rank arrived, as torch's NCCL barrier does
@@ -275,6 +276,9 @@ class StreamOrdered(Pending):
     def stream_aware(self) -> bool:
         return True
 
+    def waited(self) -> None:
+        self.order_current_stream()
+
     def order_current_stream(self) -> None:
         """Make the caller's current stream wait for the collective, if it ran on another one.
 
@@ -454,6 +458,22 @@ class NCCLCommunicator(Communicator):
                         comm.recv(recv_base + offset * itemsize, count, dtype, peer, handle)
             finally:
                 self._nccl.groupEnd()
+        return self._ordered(stream)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        # NCCL reduces half precision in the dtype, as torch's NCCL group does (moving float32
+        # copies would double the bytes on the wire): the one exception to comm.base.HALF.
+        comm = self._live()
+        dtype = self._dtype(input)
+        self._dtype(output)
+        code = self._op_codes[op]
+        stream = self._stream(output, input)
+        if output.numel():
+            comm.reduceScatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype,
+                               self._op_codes[Op.SUM] if code is None else code, stream.cuda_stream)
+            if code is None:
+                with torch.cuda.stream(stream):
+                    average(output, self.size)
         return self._ordered(stream)
 
     def barrier(self, tag: int) -> Pending:

@@ -62,10 +62,12 @@ class WorkPending(Pending):
         after: run once, on completion (divide for AVERAGE, copy back).
     """
 
-    __slots__ = ("_work", "_stream_ordered", "_after")
+    __slots__ = ("_work", "_stream_ordered", "_after", "_ordering")
 
     def __init__(self, work, stream_ordered: bool, after: Optional[Callable[[], None]] = None):
         self._work, self._stream_ordered, self._after = work, stream_ordered, after
+        # A stream-ordered Work orders the caller's current stream on every wait().
+        self._ordering = work if stream_ordered else None
 
     def test(self) -> bool:
         if self._work is None:
@@ -80,6 +82,10 @@ class WorkPending(Pending):
 
     def stream_aware(self) -> bool:
         return self._stream_ordered
+
+    def waited(self) -> None:
+        if self._ordering is not None:
+            self._ordering.wait()
 
 
 class TorchBackendCommunicator(Communicator):

@@ -1,0 +1,65 @@
+"""The engine owns every operation in flight: dropped handles never change a result.
+
+Issue 13: an async all_reduce whose Work was dropped ended with different values on each
+rank (AVERAGE's divide and the copy-back never ran; the ring stopped posting its stages).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launchers import mpirun, python, rank_lines, torchrun
+
+SCRIPT = "tests/scripts/dropped_handles.py"
+
+
+def assert_all_ranks_passed(result, size: int) -> None:
+    assert result.returncode == 0, result.output
+    assert not rank_lines(result.stdout, "FAIL"), result.output
+    passed = rank_lines(result.stdout, "PASSED")
+    assert sorted(passed) == list(range(size)), result.output
+    assert all(int(count) >= 50 for count in passed.values()), passed
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_dropped_handles_mpi(np):
+    assert_all_ranks_passed(mpirun(np, [SCRIPT], timeout=240), np)
+
+
+def test_dropped_handles_gloo_torchrun():
+    assert_all_ranks_passed(torchrun(2, [SCRIPT], timeout=240), 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_exit_with_operations_in_flight(np):
+    """The script ends with dropped operations in flight: every rank exits 0, no abort."""
+    result = mpirun(np, [SCRIPT, "exit-in-flight"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "EXITING")) == list(range(np)), result.output
+    for sign in ("terminate called", "Aborted", "NBC_Start_round", "Segmentation"):
+        assert sign not in result.output, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("level, refused", [("serialized", True), ("multiple", False)])
+def test_mpi_thread_level_checked(level, refused):
+    """The engine calls MPI from several threads: a lower level is refused, naming it."""
+    code = (
+        "import mpi4py\n"
+        f"mpi4py.rc.thread_level = {level!r}\n"
+        "from smddp.comm import mpi\n"
+        "try:\n"
+        "    mpi._check_thread_level()\n"
+        "except mpi.BackendUnavailableError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "else:\n"
+        "    print('ACCEPTED')\n"
+    )
+    result = python(["-c", code], timeout=60)
+    assert result.returncode == 0, result.output
+    if refused:
+        assert "REFUSED" in result.stdout and "MPI_THREAD_SERIALIZED" in result.stdout, result.output
+    else:
+        assert "ACCEPTED" in result.stdout, result.output
