@@ -38,8 +38,15 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
 # ---------------------------------------------------------------------------- worker
-def _prepare_torch_suite(backend: str):
-    """Import torch's suite with ``backend`` judged as gloo's peer; return its test class."""
+def _prepare_torch_suite(backend: str, gates: str):
+    """Import torch's suite with ``backend`` judged as gloo's peer; return its test class.
+
+    ``gates="features"``: smddp is added wherever gloo is in ``DistTestCases.backend_feature``.
+    ``gates="gloo"`` (also): the suite is imported as if ``BACKEND`` were gloo, so the tests that
+    torch gates on the name gloo when it defines them (``require_backend_is_available({"gloo"})``,
+    ``BACKEND not in ("mpi", "nccl", "gloo")``) run on smddp too; inside the tests ``BACKEND`` is
+    smddp, so run-time checks of the name still take the non-gloo path.
+    """
     if backend == "smddp":
         import smddp.torch.torch_smddp  # noqa: F401 - registers the "smddp" backend with torch
 
@@ -51,9 +58,13 @@ def _prepare_torch_suite(backend: str):
             if "gloo" in backends:
                 backends.add("smddp")
         features["plugin"].add("smddp")
+        if gates == "gloo":
+            os.environ["BACKEND"] = "gloo"
 
     import torch.multiprocessing
     from torch.testing._internal.distributed import distributed_test as suite
+
+    suite.BACKEND = os.environ["BACKEND"] = backend
 
     class TorchSuite(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
         def setUp(self):
@@ -124,7 +135,7 @@ def _worker(args) -> int:
     # Both backends run the same way: no launcher variables leak in from a surrounding job.
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))]:
         del os.environ[key]
-    cls = _prepare_torch_suite(args.backend)
+    cls = _prepare_torch_suite(args.backend, args.gates)
     names = _select(cls, args.k, args.test)
     tests = unittest.TestSuite(cls(n) for n in names)
     with open(args.worker, "a") as out:
@@ -134,7 +145,7 @@ def _worker(args) -> int:
 
 # ---------------------------------------------------------------------------- parent
 def run_backend(backend: str, patterns: Sequence[str], names: Sequence[str], world_size: int,
-                test_timeout: int, log: Optional[Path] = None) -> Dict[str, dict]:
+                test_timeout: int, log: Optional[Path] = None, gates: str = "gloo") -> Dict[str, dict]:
     """Run the selected tests of torch's suite on ``backend`` in a subprocess.
 
     Args:
@@ -144,6 +155,7 @@ def run_backend(backend: str, patterns: Sequence[str], names: Sequence[str], wor
         world_size: processes per test.
         test_timeout: seconds torch's harness gives each test.
         log: where the worker's progress lines go (None: inherited stderr).
+        gates: how smddp passes torch's backend-name gates (see :func:`_prepare_torch_suite`).
 
     Returns:
         test name to its record (``outcome``, ``detail``, ``seconds``).
@@ -151,7 +163,7 @@ def run_backend(backend: str, patterns: Sequence[str], names: Sequence[str], wor
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as handle:
         path = handle.name
     cmd = [sys.executable, __file__, "--worker", path, "--backend", backend, "--world-size", str(world_size),
-           "--test-timeout", str(test_timeout)]
+           "--test-timeout", str(test_timeout), "--gates", gates]
     for p in patterns:
         cmd += ["-k", p]
     for n in names:
@@ -245,6 +257,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="processes per test (default 2)")
     parser.add_argument("--test-timeout", type=int, default=120,
                         help="seconds torch's harness gives each test (default 120)")
+    parser.add_argument("--gates", choices=("gloo", "features"), default="gloo",
+                        help="smddp passes torch's backend-name gates as gloo does (default), or only "
+                             "those in DistTestCases.backend_feature")
     parser.add_argument("--json", type=Path, help="write both backends' records here")
     parser.add_argument("--markdown", type=Path, help="write the comparison page here")
     parser.add_argument("--log-dir", type=Path, help="write each backend's progress log here")
@@ -262,7 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        results[backend] = run_backend(backend, args.k, args.test, args.world_size, args.test_timeout, log)
+        results[backend] = run_backend(backend, args.k, args.test, args.world_size, args.test_timeout, log,
+                                       args.gates)
         c = counts(results[backend])
         print(f"{backend}: {len(results[backend])} tests, {c['passed']} passed, {c['failed']} failed, "
               f"{c['error']} errors, {c['skipped']} skipped ({time.monotonic() - started:.0f} s)", flush=True)

@@ -23,8 +23,8 @@ from smddp._topology import Topology, discover
 from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
-from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidGroupError
-from smddp.torch import _compat, _native
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.torch import _compat, _groups, _native
 
 BACKEND_NAME = "smddp"
 
@@ -323,6 +323,7 @@ def _reduce_op(opts) -> Op:
 # ---------------------------------------------------------------------------- creation
 _requested_backend: Optional[str] = None
 _current: Optional[SmddpProcessGroup] = None
+_world_topology: Optional[Topology] = None
 
 
 def current() -> Optional[SmddpProcessGroup]:
@@ -361,12 +362,9 @@ def _topology(rank: int, size: int) -> Topology:
 
 
 def _create(options, backend_options=None) -> SmddpProcessGroup:
-    global _current
+    global _current, _world_topology
     if tdist.is_initialized():
-        raise InvalidGroupError(
-            "smddp supports one process group, group.WORLD; new_group() with the smddp backend is "
-            "not supported (pass backend='gloo' to new_group for a CPU subgroup)"
-        )
+        return _groups.create_subgroup(options, _current, _world_topology, _timeout(options.timeout))
     _tear_down_at_exit()
     rank, size = options.group_rank, options.group_size
     topology = _topology(rank, size)
@@ -378,7 +376,7 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
     group._set_group_name(group_name)
     # torch's functional collectives (FSDP2 state dicts, DTensor) need a native backend per device.
     group.native_backends = _native.attach(group, options.store, rank, size, timeout, group_name)
-    _current = group
+    _current, _world_topology = group, topology
     return group
 
 
@@ -442,6 +440,9 @@ def _tear_down_at_exit() -> None:
 def destroy() -> None:
     """Close the engine and forget the group (torch's own group is destroyed by the caller)."""
     global _current
+    for group in _groups.forget_all():
+        group.engine.close()
+        _shut_down_native(group)
     if _current is not None:
         _current.engine.close()
         _shut_down_native(_current)
