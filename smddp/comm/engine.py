@@ -250,8 +250,8 @@ class Engine:
         return CollectiveTimeout(
             f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on "
             f"{self._who()}.{self._stall_report(seq, op_name)} "
-            f"The job is now broken: further collectives fail at once (SMDDP_TIMEOUT or "
-            f"init_process_group(timeout=...) sets the limit)."
+            f"The job is now broken: further collectives fail at once (the timeout is set by "
+            f"SMDDP_TIMEOUT or init_process_group(timeout=...))."
         )
 
     def _stalled(self, seq: int, op_name: str) -> CollectiveTimeout:

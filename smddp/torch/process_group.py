@@ -149,6 +149,9 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     # collectives torch calls by these names
     def allreduce(self, tensors, opts=None):
         tensor = _single(tensors, "allreduce")
+        if tensor.is_sparse:
+            # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
+            return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
         op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         handle = self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward())
@@ -253,7 +256,10 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         return Work(joined, list(tensors))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), output_lists, input_tensors)
+        # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
+        _check_gather_coalesced(output_lists, input_tensors, self.size())
+        per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
+        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
         return Work(joined, list(output_lists))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -314,6 +320,25 @@ class _RecvWork(Work):
     def _source_rank(self) -> int:
         self.wait()
         return self._source()
+
+
+def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:
+    """gloo's argument checks of ``all_gather_coalesced``, before anything is sent."""
+    if not input_tensors:
+        raise InvalidArgumentError("all_gather_coalesced: requires a non-empty input tensor list")
+    if len(output_lists) != size:
+        raise InvalidArgumentError(
+            f"all_gather_coalesced: needs one output list per rank ({size}), got {len(output_lists)}")
+    for r, outputs in enumerate(output_lists):
+        if len(outputs) != len(input_tensors):
+            raise InvalidArgumentError(
+                f"all_gather_coalesced: output list {r} has {len(outputs)} tensors; the input list has "
+                f"{len(input_tensors)}")
+        for i, (out, inp) in enumerate(zip(outputs, input_tensors)):
+            if out.shape != inp.shape or out.dtype != inp.dtype:
+                raise InvalidArgumentError(
+                    f"all_gather_coalesced: output {r}[{i}] is {out.dtype} {tuple(out.shape)}; input {i} is "
+                    f"{inp.dtype} {tuple(inp.shape)}: they must match")
 
 
 def _reduce_op(opts) -> Op:
