@@ -96,3 +96,15 @@ def test_group_topology_refuses_a_non_member():
 def test_members_refuses_duplicates_and_negatives(ranks):
     with pytest.raises(InvalidArgumentError, match="distinct and non-negative"):
         members(ranks)
+
+
+@pytest.mark.mpi
+def test_timeout_in_a_subgroup_names_global_ranks():
+    """Global rank 2 never calls the group's all_reduce: rank 1's timeout names it and the group.
+
+    The job is broken afterwards, so it ends through MPI_Abort (a non-zero exit is expected).
+    """
+    result = mpirun(3, [SCRIPT, "stall"], timeout=120, env={"SMDDP_TIMEOUT": "3"})
+    assert "FAILED" not in result.stdout, result.output
+    assert "CHECK 1 the timeout names the group, global ranks, and the rank that never arrived" in result.stdout, (
+        result.output)

@@ -5,6 +5,7 @@ Run by tests/test_groups.py under mpirun (the ``mpi`` backend) and torchrun (``g
     python tests/scripts/group_checks.py groups      # any world size >= 2
     python tests/scripts/group_checks.py hsdp        # 4 ranks: 2 x 2 DeviceMesh, FSDP2 HSDP
     python tests/scripts/group_checks.py debug       # 3 ranks, SMDDP_DEBUG=1: errors name global ranks
+    python tests/scripts/group_checks.py stall       # 3 ranks, SMDDP_TIMEOUT=3: the timeout names them too
 
 Each rank builds every rank's inputs from seeds, so it knows each answer without
 communicating; HSDP is compared with single-process training on the whole batch. Prints
@@ -15,7 +16,9 @@ communicating; HSDP is compared with single-process training on the whole batch.
 from __future__ import annotations
 
 import copy
+import os
 import sys
+import time
 import warnings
 
 import torch
@@ -270,12 +273,28 @@ def debug() -> None:
                   "global ranks 1-2" in text and "rank 1:" in text and "rank 2:" in text, text)
 
 
+def stall() -> None:
+    """In the group of global ranks 1 and 2, rank 2 never calls: rank 1's timeout names global ranks."""
+    group = tdist.new_group([1, 2])
+    if rank == 1:
+        try:
+            tdist.all_reduce(torch.zeros(2), group=group)
+            check("a stalled subgroup collective times out", False, "no error")
+        except smddp.CollectiveTimeout as exc:
+            text = str(exc)
+            check("the timeout names the group, global ranks, and the rank that never arrived",
+                  "on rank 1 (rank 0 of the 2 in process group" in text and "global ranks 1-2" in text
+                  and "never arrived: 2" in text, text)
+    elif rank == 2:
+        time.sleep(float(os.environ["SMDDP_TIMEOUT"]) + 5)  # answers rank 1's question meanwhile
+
+
 if __name__ == "__main__":
     for mode in sys.argv[1:]:
-        {"groups": groups, "hsdp": hsdp, "debug": debug}[mode]()
+        {"groups": groups, "hsdp": hsdp, "debug": debug, "stall": stall}[mode]()
     if failures:
         print(f"FAILURES {rank} {failures}", flush=True)
         sys.exit(1)
     print(f"PASSED {rank} {checks}", flush=True)
-    if "debug" not in sys.argv[1:]:
+    if not {"debug", "stall"} & set(sys.argv[1:]):
         dist.destroy_process_group()
