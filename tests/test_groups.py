@@ -7,12 +7,20 @@ against values it computes locally from seeded inputs (see the script).
 from __future__ import annotations
 
 import dataclasses
+import threading
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as tdist
+from test_backend_selection import X86_ID, _fake_cupy
 
 from smddp._topology import Topology
-from smddp.comm.groups import group_topology, members
-from smddp.errors import InvalidArgumentError
+from smddp.comm.base import Context
+from smddp.comm.groups import group_topology, members, subgroup_communicators
+from smddp.comm.local import LocalCommunicator
+from smddp.comm.nccl import share_unique_id
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 from launchers import mpirun, rank_lines, torchrun
 
@@ -108,3 +116,64 @@ def test_timeout_in_a_subgroup_names_global_ranks():
     assert "FAILED" not in result.stdout, result.output
     assert "CHECK 1 the timeout names the group, global ranks, and the rank that never arrived" in result.stdout, (
         result.output)
+
+
+# ============================================================================ NCCL subgroups, on a stand-in
+class _StandInNCCL:
+    """Records how a subgroup's NCCL communicator is made (no GPU here)."""
+
+    name = "nccl"
+    device_types = ("cuda",)
+
+    def __init__(self, ctx, unique_id_key=None):
+        self.ctx, self.unique_id_key = ctx, unique_id_key
+        self.device = torch.device("cuda", 1)
+
+    def close(self):
+        pass
+
+
+class _TorchNCCL(_StandInNCCL):
+    name = "torch-nccl"
+
+
+def _group_ctx(ranks):
+    topology = group_topology(WORLD, ranks)
+    return Context(topology, timedelta(seconds=10), tdist.HashStore())
+
+
+def test_nccl_subgroup_takes_the_parents_device_and_the_groups_own_key():
+    parent = _StandInNCCL(None)
+    made = subgroup_communicators({"cuda": parent}, [1, 5], _group_ctx([1, 5]))["cuda"]
+    assert type(made) is _StandInNCCL and made is not parent
+    assert made.ctx.device == parent.device  # the rank keeps its GPU, whatever its group rank
+    assert made.unique_id_key == "smddp/group/nccl/unique_id"
+    assert (made.ctx.topology.rank, made.ctx.topology.size) == (1, 2) and not made.ctx.topology.mpi
+
+
+def test_a_group_of_one_is_local_and_torch_nccl_cannot_make_subgroups():
+    parent = _StandInNCCL(None)
+    assert isinstance(subgroup_communicators({"cuda": parent}, [5], _group_ctx([5]))["cuda"], LocalCommunicator)
+    with pytest.raises(BackendUnavailableError, match="'torch-nccl' backend cannot make subgroups"):
+        subgroup_communicators({"cuda": _TorchNCCL(None)}, [1, 5], _group_ctx([1, 5]))
+
+
+def test_nccl_subgroup_members_meet_whatever_they_created_before(monkeypatch):
+    """Global ranks 1 and 5 have made different numbers of NCCL communicators: the key still agrees."""
+    fake = _fake_cupy(monkeypatch, uid=X86_ID)
+    store = tdist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    got = {}
+
+    def member(world_rank: int, generation: int) -> None:
+        world = dataclasses.replace(WORLD, rank=world_rank, local_rank=world_rank % 4, node_rank=world_rank // 4)
+        topology = group_topology(world, [1, 5])
+        got[world_rank] = share_unique_id(fake, topology, store, generation, key="smddp/group/nccl/unique_id")
+
+    threads = [threading.Thread(target=member, args=(5, 7)), threading.Thread(target=member, args=(1, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got == {1: X86_ID, 5: X86_ID}
+    assert fake.calls == ["get_unique_id"]  # group rank 0 (global rank 1) only
