@@ -2,15 +2,16 @@
 
 torch ships its suite in the wheel (``torch/testing/_internal/distributed/distributed_test.py``,
 ``DistributedTest._DistTestBase`` run by ``TestDistBackend``). It gates many tests on the
-backend's name through ``DistTestCases.backend_feature``; smddp is added wherever gloo is there
-(and as a plugin), so smddp is judged as gloo's peer. Each test starts ``WORLD_SIZE`` processes
+backend's name (``DistTestCases.backend_feature``, and checks of ``BACKEND`` when it defines the
+tests); smddp is judged as gloo's peer (see :func:`_prepare_torch_suite`). Each test starts ``WORLD_SIZE`` processes
 (forked, as torch's old ``test_distributed_fork`` did: spawning re-imports torch per rank).
 
 Usage::
 
-    python tools/torch_suite.py                       # the whole suite, both backends
+    python tools/torch_suite.py                       # the whole suite, both backends, 2 ranks
     python tools/torch_suite.py -k all_reduce -k barrier --json /tmp/r.json
-    python tools/torch_suite.py --markdown docs/torch-suite.md
+    python tools/torch_suite.py --world-size 2 --world-size 3 --mpi-peer all_to_all \\
+        --markdown docs/torch-suite.md                # the page in the docs
 
 Each backend runs in a subprocess of its own (``--worker``), which writes one JSON record per
 test. The parent compares them: a test that gloo passes and smddp does not is a regression,
@@ -57,6 +58,7 @@ def _prepare_torch_suite(backend: str, gates: str):
     torch gates on the name gloo when it defines them (``require_backend_is_available({"gloo"})``,
     ``BACKEND not in ("mpi", "nccl", "gloo")``) run on smddp too; inside the tests ``BACKEND`` is
     smddp, so run-time checks of the name still take the non-gloo path.
+    ``gates="mpi"``: the same as MPI's peer (torch runs its CPU ``all_to_all`` tests on MPI only).
     """
     if backend == "smddp":
         import smddp.torch.torch_smddp  # noqa: F401 - registers the "smddp" backend with torch
@@ -69,8 +71,8 @@ def _prepare_torch_suite(backend: str, gates: str):
             if "gloo" in backends:
                 backends.add("smddp")
         features["plugin"].add("smddp")
-        if gates == "gloo":
-            os.environ["BACKEND"] = "gloo"
+        if gates in ("gloo", "mpi"):
+            os.environ["BACKEND"] = gates
 
     import torch.multiprocessing
     from torch.testing._internal.distributed import distributed_test as suite
@@ -217,19 +219,28 @@ def regressions(gloo: Dict[str, dict], smddp: Dict[str, dict]) -> List[str]:
                   and name not in CANNOT_PASS)
 
 
-def markdown(gloo: Dict[str, dict], smddp: Dict[str, dict], command: str, world_size: int) -> str:
-    """The comparison as a Markdown page."""
+_INTRO = """\
+# torch's distributed test suite on smddp
+
+torch ships its own distributed test suite in the wheel
+(`torch/testing/_internal/distributed/distributed_test.py`, `DistributedTest._DistTestBase` run by
+`TestDistBackend`). `tools/torch_suite.py` runs it on gloo and on smddp, one process per rank,
+and judges smddp as gloo's peer: `"smddp"` is added wherever `"gloo"` appears in
+`DistTestCases.backend_feature`, and the suite is imported as if its `BACKEND` were gloo, so the
+tests torch gates on the name gloo when it defines them run on smddp too. Inside each test
+`BACKEND` is `"smddp"`, so checks of the name in a test's body take the non-gloo path.
+`tests/test_torch_suite.py` runs a subset of it in CI and fails when smddp does not pass a test
+that gloo passes.
+
+Most skipped tests need CUDA devices, NCCL or MPI by name, or a larger world; they skip on both
+backends alike.
+"""
+
+
+def _section(gloo: Dict[str, dict], smddp: Dict[str, dict], world_size: int) -> List[str]:
     g, s = counts(gloo), counts(smddp)
     lines = [
-        "# torch's distributed test suite on smddp",
-        "",
-        "torch ships its own distributed test suite in the wheel "
-        "(`torch/testing/_internal/distributed/distributed_test.py`). smddp runs it as gloo's peer: "
-        "`\"smddp\"` is added wherever `\"gloo\"` appears in `DistTestCases.backend_feature`, so the "
-        "DDP, subgroup and coalesced tests that torch gates by backend name run on smddp too. "
-        "Tests that check `BACKEND == \"gloo\"` by name still skip on smddp.",
-        "",
-        f"Produced by `{command}` ({world_size} ranks per test, CPU).",
+        f"## {world_size} ranks per test",
         "",
         "| backend | tests | passed | failed | errors | skipped |",
         "|---|---|---|---|---|---|",
@@ -241,7 +252,7 @@ def markdown(gloo: Dict[str, dict], smddp: Dict[str, dict], command: str, world_
                   if r["outcome"] == "passed" and smddp.get(n, {}).get("outcome") != "passed")
     gained = sorted(n for n, r in smddp.items()
                     if r["outcome"] == "passed" and gloo.get(n, {}).get("outcome") != "passed")
-    lines += ["## Tests gloo passes that smddp does not", ""]
+    lines += ["Tests gloo passes that smddp does not:", ""]
     if not lost:
         lines += ["None.", ""]
     else:
@@ -250,16 +261,46 @@ def markdown(gloo: Dict[str, dict], smddp: Dict[str, dict], command: str, world_
             reason = CANNOT_PASS.get(name, "not yet understood")
             lines.append(f"| `{name}` | {smddp.get(name, {}).get('outcome', 'not run')} | {reason} |")
         lines.append("")
-    lines += ["## Tests smddp passes that gloo does not", ""]
+    lines += ["Tests smddp passes that gloo does not:", ""]
     if not gained:
         lines += ["None.", ""]
     else:
-        lines += ["| test | gloo |", "|---|---|"]
-        for name in gained:
-            detail = gloo[name]["detail"].splitlines()[-1][:120] if gloo.get(name, {}).get("detail") else ""
-            lines.append(f"| `{name}` | {gloo.get(name, {}).get('outcome', 'not run')}: {detail} |")
-        lines.append("")
+        lines += [", ".join(f"`{name}`" for name in gained), ""]
+    return lines
+
+
+def markdown(results: Dict[str, Dict[str, Dict[str, dict]]], command: str,
+             mpi_peer: Optional[Dict[str, dict]] = None) -> str:
+    """The comparison as a Markdown page.
+
+    Args:
+        results: world size (as a string) to backend to test records.
+        command: the command that produced them.
+        mpi_peer: smddp's records as MPI's peer (``--gates mpi``), if run.
+    """
+    lines = [_INTRO, f"Produced by `{command}` on CPU.", ""]
+    for world_size in sorted(results, key=int):
+        lines += _section(results[world_size]["gloo"], results[world_size]["smddp"], int(world_size))
+    if mpi_peer:
+        passed = sorted(n for n, r in mpi_peer.items() if r["outcome"] == "passed")
+        bad = sorted(n for n, r in mpi_peer.items() if r["outcome"] in ("failed", "error"))
+        lines += [
+            "## As MPI's peer",
+            "",
+            "torch runs its CPU `all_to_all` tests on MPI only. Imported as if `BACKEND` were mpi "
+            "(`--gates mpi`, 2 ranks), smddp runs them on its own communicators:",
+            "",
+            f"{len(mpi_peer)} tests, {len(passed)} passed, {len(bad)} failed or errors: "
+            + ", ".join(f"`{name}`" for name in passed) + ".",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _report(backend: str, records: Dict[str, dict], seconds: float, world_size: int) -> None:
+    c = counts(records)
+    print(f"{backend} ({world_size} ranks): {len(records)} tests, {c['passed']} passed, {c['failed']} failed, "
+          f"{c['error']} errors, {c['skipped']} skipped ({seconds:.0f} s)", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -271,44 +312,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--test", action="append", default=[], help="run this exact test (repeatable)")
     parser.add_argument("--backend", action="append", default=None, choices=("gloo", "smddp"),
                         help="backends to run (repeatable; default: gloo and smddp)")
-    parser.add_argument("--world-size", type=int, default=2, help="processes per test (default 2)")
+    parser.add_argument("--world-size", type=int, action="append", default=None,
+                        help="processes per test (repeatable; default 2)")
     parser.add_argument("--test-timeout", type=int, default=120,
                         help="seconds torch's harness gives each test (default 120)")
-    parser.add_argument("--gates", choices=("gloo", "features"), default="gloo",
-                        help="smddp passes torch's backend-name gates as gloo does (default), or only "
-                             "those in DistTestCases.backend_feature")
-    parser.add_argument("--json", type=Path, help="write both backends' records here")
+    parser.add_argument("--gates", choices=("gloo", "mpi", "features"), default="gloo",
+                        help="smddp passes torch's backend-name gates as gloo does (default), as MPI "
+                             "does, or only those in DistTestCases.backend_feature")
+    parser.add_argument("--mpi-peer", action="append", default=[], metavar="REGEX",
+                        help="also run the tests matching REGEX on smddp as MPI's peer (--gates mpi, 2 ranks)")
+    parser.add_argument("--json", type=Path, help="write every run's records here")
     parser.add_argument("--markdown", type=Path, help="write the comparison page here")
-    parser.add_argument("--log-dir", type=Path, help="write each backend's progress log here")
+    parser.add_argument("--log-dir", type=Path, help="write each run's progress log here")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
-                        help="take the records of backends not run now from this earlier --json output")
+                        help="take the records of runs not made now from this earlier --json output")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         args.backend = args.backend[0]
+        args.world_size = args.world_size[0]
         return _worker(args)
     backends = args.backend or ["gloo", "smddp"]
-    results = json.loads(args.reuse.read_text()) if args.reuse else {}
-    for backend in backends:
-        log = args.log_dir / f"{backend}.log" if args.log_dir else None
-        if args.log_dir:
-            args.log_dir.mkdir(parents=True, exist_ok=True)
+    world_sizes = args.world_size or [2]
+    saved = json.loads(args.reuse.read_text()) if args.reuse else {}
+    results: Dict[str, Dict[str, Dict[str, dict]]] = saved.get("runs", {})
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    for world_size in world_sizes:
+        runs = results.setdefault(str(world_size), {})
+        for backend in backends:
+            log = args.log_dir / f"{backend}-{world_size}.log" if args.log_dir else None
+            started = time.monotonic()
+            runs[backend] = run_backend(backend, args.k, args.test, world_size, args.test_timeout, log,
+                                        args.gates, args.exclude)
+            _report(backend, runs[backend], time.monotonic() - started, world_size)
+    mpi_peer = saved.get("mpi_peer")
+    if args.mpi_peer:
+        log = args.log_dir / "smddp-mpi-peer.log" if args.log_dir else None
         started = time.monotonic()
-        results[backend] = run_backend(backend, args.k, args.test, args.world_size, args.test_timeout, log,
-                                       args.gates, args.exclude)
-        c = counts(results[backend])
-        print(f"{backend}: {len(results[backend])} tests, {c['passed']} passed, {c['failed']} failed, "
-              f"{c['error']} errors, {c['skipped']} skipped ({time.monotonic() - started:.0f} s)", flush=True)
+        mpi_peer = run_backend("smddp", args.mpi_peer, [], 2, args.test_timeout, log, "mpi", args.exclude)
+        _report("smddp as MPI's peer", mpi_peer, time.monotonic() - started, 2)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    if "gloo" in results and "smddp" in results:
-        lost = regressions(results["gloo"], results["smddp"])
-        print(f"gloo passes and smddp does not ({len(lost)}): {' '.join(lost) or 'none'}")
-        if args.markdown:
-            command = "python tools/torch_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
-            args.markdown.write_text(markdown(results["gloo"], results["smddp"], command.strip(), args.world_size))
-        return 1 if lost else 0
-    return 0
+        args.json.write_text(json.dumps({"runs": results, "mpi_peer": mpi_peer}, indent=1))
+    lost_any = False
+    for world_size, runs in sorted(results.items()):
+        if "gloo" in runs and "smddp" in runs:
+            lost = regressions(runs["gloo"], runs["smddp"])
+            lost_any = lost_any or bool(lost)
+            print(f"{world_size} ranks: gloo passes and smddp does not ({len(lost)}): {' '.join(lost) or 'none'}")
+    if args.markdown and all("gloo" in r and "smddp" in r for r in results.values()):
+        command = "python tools/torch_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.markdown.write_text(markdown(results, command.strip(), mpi_peer))
+    return 1 if lost_any else 0
 
 
 if __name__ == "__main__":
