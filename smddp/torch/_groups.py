@@ -67,6 +67,16 @@ def create_subgroup(options, world, world_topology: Topology, timeout):
     return group
 
 
+def forget(group) -> bool:
+    """Forget one subgroup; True if it was still live (the caller closes it)."""
+    with _lock:
+        for i, live in enumerate(_live):
+            if live is group:
+                del _live[i]
+                return True
+    return False
+
+
 def forget_all() -> List:
     """The subgroups created so far, forgotten here (the caller closes them)."""
     with _lock:

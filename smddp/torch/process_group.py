@@ -146,6 +146,15 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
+    def shutdown(self) -> None:
+        """``destroy_process_group(group)`` of a subgroup: close its engine and native backends now.
+
+        The world's group is closed by :func:`destroy` instead.
+        """
+        if self.engine.global_ranks is not None and _groups.forget(self):
+            self.engine.close()
+            _shut_down_native(self)
+
     # collectives torch calls by these names
     def allreduce(self, tensors, opts=None):
         tensor = _single(tensors, "allreduce")

@@ -173,9 +173,15 @@ def groups() -> None:
     first_two = tdist.new_group([0, 1])
     if rank in (0, 1):
         group_collectives(first_two, [0, 1], "new_group([0, 1])")
+        group_engine = first_two.engine
+        tdist.destroy_process_group(first_two)
+        check("destroy_process_group(group) closes the group's engine", group_engine._closed, "still open")
     else:
         check("new_group: a non-member gets NON_GROUP_MEMBER",
               first_two == tdist.GroupMember.NON_GROUP_MEMBER, repr(first_two))
+    t = torch.ones(1)
+    tdist.all_reduce(t, group=full)
+    same("the other groups work on after one is destroyed", t, torch.full((1,), float(size)))
     # smddp's own functions keep the reference's rule
     try:
         dist.all_reduce(torch.zeros(1), group=full)
