@@ -53,6 +53,18 @@ def same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     check(name, ok, f"got {got.flatten()[:6].tolist()} {tuple(got.shape)}, want {want.flatten()[:6].tolist()}")
 
 
+def raises(name: str, call) -> None:
+    try:
+        call()
+    except smddp.SMDDPError as exc:
+        check(name, isinstance(exc, ValueError), repr(exc))
+        return
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check
+        check(name, False, f"raised {exc!r}, not an smddp ValueError")
+        return
+    check(name, False, "did not raise")
+
+
 def rows(shape, salt: int) -> torch.Tensor:
     """Every global rank's input, row r for rank r (integers: sums are exact in any order)."""
     g = torch.Generator().manual_seed(7919 * salt + 17)
@@ -92,6 +104,14 @@ def group_collectives(group, members, label: str) -> None:
     out = torch.empty(3)
     tdist.reduce_scatter_tensor(out, big[rank].clone(), group=group)
     same(f"{label}: reduce_scatter_tensor", out, big[members].sum(0)[me * 3:(me + 1) * 3])
+    out = torch.empty(3)
+    tdist.reduce_scatter(out, [c.clone() for c in big[rank].chunk(n)], group=group)
+    same(f"{label}: reduce_scatter (list form)", out, big[members].sum(0)[me * 3:(me + 1) * 3])
+    # argument errors raise on every rank before anything is sent: the next collective is in step
+    raises(f"{label}: reduce_scatter refuses a wrong number of inputs",
+           lambda: tdist.reduce_scatter(torch.empty(3), [torch.zeros(3)] * (n + 1), group=group))
+    raises(f"{label}: all_gather_coalesced refuses a wrong number of output lists",
+           lambda: tdist.all_gather_coalesced([[torch.empty(5)]] * (n + 1), [x[rank].clone()], group=group))
     t = x[rank].clone()
     tdist.reduce(t, group=group, group_dst=0)
     if me == 0:
