@@ -330,6 +330,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--log-dir", type=Path, help="write each run's progress log here")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
                         help="take the records of runs not made now from this earlier --json output")
+    parser.add_argument("--render-only", action="store_true",
+                        help="run nothing: write --markdown from the --reuse records (the command shown "
+                             "is then --command's)")
+    parser.add_argument("--command", help="the command to name on the page (with --render-only)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -342,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Dict[str, Dict[str, Dict[str, dict]]] = saved.get("runs", {})
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    for world_size in world_sizes:
+    for world_size in [] if args.render_only else world_sizes:
         runs = results.setdefault(str(world_size), {})
         for backend in backends:
             log = args.log_dir / f"{backend}-{world_size}.log" if args.log_dir else None
@@ -351,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         args.gates, args.exclude)
             _report(backend, runs[backend], time.monotonic() - started, world_size)
     mpi_peer = saved.get("mpi_peer")
-    if args.mpi_peer:
+    if args.mpi_peer and not args.render_only:
         log = args.log_dir / "smddp-mpi-peer.log" if args.log_dir else None
         started = time.monotonic()
         mpi_peer = run_backend("smddp", args.mpi_peer, [], 2, args.test_timeout, log, "mpi", args.exclude)
@@ -365,7 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lost_any = lost_any or bool(lost)
             print(f"{world_size} ranks: gloo passes and smddp does not ({len(lost)}): {' '.join(lost) or 'none'}")
     if args.markdown and all("gloo" in r and "smddp" in r for r in results.values()):
-        command = "python tools/torch_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        ran = "python tools/torch_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = args.command or ran
         args.markdown.write_text(markdown(results, command.strip(), mpi_peer))
     return 1 if lost_any else 0
 
