@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,14 +166,17 @@ def _worker(args) -> int:
         del os.environ[key]
     cls = _prepare_torch_suite(args.backend, args.gates)
     names = _select(cls, args.k, args.test, args.exclude)
-    with open(args.worker, "a") as out:
-        recorder = _Recorder(out)
-        if args.backend == "smddp":
-            for name in [n for n in names if n in CANNOT_PASS]:
-                recorder._started = time.monotonic()
-                recorder._record(cls(name), "skipped", f"cannot pass on smddp: {CANNOT_PASS[name]}")
-            names = [n for n in names if n not in CANNOT_PASS]
-        unittest.TestSuite(cls(n) for n in names).run(recorder)
+    try:
+        with open(args.worker, "a") as out:
+            recorder = _Recorder(out)
+            if args.backend == "smddp":
+                for name in [n for n in names if n in CANNOT_PASS]:
+                    recorder._started = time.monotonic()
+                    recorder._record(cls(name), "skipped", f"cannot pass on smddp: {CANNOT_PASS[name]}")
+                names = [n for n in names if n not in CANNOT_PASS]
+            unittest.TestSuite(cls(n) for n in names).run(recorder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     return 0
 
 
