@@ -133,6 +133,13 @@ class Context:
 class Communicator(abc.ABC):
     """One backend's collectives over all ranks of the job.
 
+    A communicator may also offer ``subgroup(ranks, ctx) -> Communicator``: a communicator
+    over the global ``ranks`` (group rank ``i`` is global rank ``ranks[i]``), called by the
+    member ranks only, in the same order on each (like ``MPI_Comm_create_group``), with the
+    group's context (:func:`smddp.comm.groups.group_topology`, the group's own store). Without
+    it, :mod:`smddp.comm.groups` makes a gloo communicator over the group's store for CPU
+    tensors.
+
     Attributes:
         name: the backend's name (``"mpi"``, ``"gloo"``, ...).
         device_types: tensor device types it moves (``("cpu",)``, ``("cuda",)``).

@@ -163,10 +163,17 @@ class Checker:
                 time.sleep(0 if polls < 20000 else 0.0005)
         return out.view(self.size, -1).cpu()
 
+    def _where(self) -> str:
+        engine = self.engine
+        if engine.global_ranks is None:
+            return ""
+        return f"in process group {engine.group_name!r} (global ranks {ranks_text(engine.global_ranks)}) "
+
     def _mismatch(self, rows: torch.Tensor, seq: int) -> str:
+        # Ranks are named as the job knows them: a subgroup's engine maps its ranks to global ones.
         groups: Dict[Tuple[int, ...], List[int]] = {}
         for rank in range(self.size):
-            groups.setdefault(tuple(rows[rank].tolist()), []).append(rank)
+            groups.setdefault(tuple(rows[rank].tolist()), []).append(self.engine.global_rank(rank))
         reference = tuple(rows[0].tolist())
         odd = sorted(r for key, ranks in groups.items() if key != reference for r in ranks)
         fields = sorted({
@@ -175,7 +182,8 @@ class Checker:
         calls = "; ".join(f"rank {ranks_text(ranks)}: {explain(key)}" for key, ranks in groups.items())
         text = (
             f"SMDDP_DEBUG: the ranks called different collectives at sequence {seq} "
-            f"(they differ in {', '.join(fields)}): {calls}. Ranks that differ from rank 0: {ranks_text(odd)}. "
+            f"{self._where()}(they differ in {', '.join(fields)}): {calls}. Ranks that differ from rank "
+            f"{self.engine.global_rank(0)}: {ranks_text(odd)}. "
             f"The collective was not run."
         )
         if any(key[BACKWARD] for key in groups):

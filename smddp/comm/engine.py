@@ -204,6 +204,25 @@ class Engine:
             self._channel = self._open_channel(store)
             _excepthook.watch(self)
 
+    # ------------------------------------------------------------------ subgroups
+    #: For a subgroup: its name and its members' global ranks (group rank i is global_ranks[i]).
+    group_name: str = ""
+    global_ranks: Optional[List[int]] = None
+
+    def describe_group(self, name: str, global_ranks: Sequence[int]) -> None:
+        """Make this a subgroup's engine: errors name global ranks and the group ``name``."""
+        self.group_name, self.global_ranks = name, list(global_ranks)
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this group's ``rank``."""
+        return rank if self.global_ranks is None else self.global_ranks[rank]
+
+    def _who(self) -> str:
+        if self.global_ranks is None:
+            return f"rank {self.rank} of {self.size}"
+        return (f"rank {self.global_rank(self.rank)} (rank {self.rank} of the {self.size} in process group "
+                f"{self.group_name!r}, global ranks {_stall.ranks_text(self.global_ranks)})")
+
     # ------------------------------------------------------------------ state
     @property
     def backend(self) -> str:
@@ -225,7 +244,7 @@ class Engine:
             # A peer that died or left shows here first (gloo: "connection closed"): say where the others are.
             report = self._stall_report(handle.seq, handle.op_name, stalled=False) if self._broken is None else ""
             wrapped = CollectiveError(
-                f"{handle.op_name} (sequence number {handle.seq}) failed on rank {self.rank}: {exc}{report}"
+                f"{handle.op_name} (sequence number {handle.seq}) failed on {self._who()}: {exc}{report}"
             )
             wrapped.__cause__ = exc
             exc = wrapped
@@ -235,10 +254,10 @@ class Engine:
 
     def _timeout(self, seq: int, op_name: str) -> CollectiveTimeout:
         return CollectiveTimeout(
-            f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on rank "
-            f"{self.rank} of {self.size}.{self._stall_report(seq, op_name)} "
-            f"The job is now broken: further collectives fail at once (SMDDP_TIMEOUT or "
-            f"init_process_group(timeout=...) sets the limit)."
+            f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on "
+            f"{self._who()}.{self._stall_report(seq, op_name)} "
+            f"The job is now broken: further collectives fail at once (the timeout is set by "
+            f"SMDDP_TIMEOUT or init_process_group(timeout=...))."
         )
 
     def _stalled(self, seq: int, op_name: str) -> CollectiveTimeout:
@@ -290,7 +309,8 @@ class Engine:
                     self._statuses = self._channel.query()
                 except Exception as exc:  # noqa: BLE001 - the report is best effort
                     return f" (could not ask the other ranks where they are: {exc})"
-        text = _stall.describe(self._statuses, seq, op_name, stalled)
+        statuses = {self.global_rank(rank): st for rank, st in self._statuses.items()}
+        text = _stall.describe(statuses, seq, op_name, stalled)
         return " " + text if text else ""
 
     def at_exit(self, failure: Optional[str] = None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import zlib
 from typing import Iterator, List, Optional, Sequence
 
 import torch
@@ -155,32 +156,56 @@ class MPICommunicator(Communicator):
     device_types = ("cpu",)
     dtypes = frozenset(_MPI_TYPES) | {torch.bfloat16, torch.float16}
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, base=None):
+        """Join ``base`` (default ``MPI_COMM_WORLD``); a subgroup passes its own communicator."""
         super().__init__(ctx)
         _check_thread_level()
         _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
-        self.comm = MPI.COMM_WORLD.Dup()
+        self._base = MPI.COMM_WORLD if base is None else base
+        self.comm = self._base.Dup()
         # Users' point-to-point tags get a communicator of their own: they can never
         # match the ring's messages.
-        self.p2p = MPI.COMM_WORLD.Dup()
+        self.p2p = self._base.Dup()
         self.max_tag = int(self.p2p.Get_attr(MPI.TAG_UB))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._large_comm = None
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        if (self.rank, self.size) != (ctx.topology.rank, ctx.topology.size):
+        if base is None and (self.rank, self.size) != (ctx.topology.rank, ctx.topology.size):
             raise BackendUnavailableError(
                 f"MPI says rank {self.rank} of {self.size}, but the job was set up as rank "
                 f"{ctx.topology.rank} of {ctx.topology.size}: use the 'mpi' backend only under "
                 f"an MPI launcher (mpirun, smddprun, srun --mpi)"
             )
-        if not ctx.topology.mpi:
+        if base is None and not ctx.topology.mpi:
             # The launcher's local rank is what users pin devices with; ask MPI only when
             # no launcher variable said it.
             local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
             self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
             local.Free()
+
+    def subgroup(self, ranks: Sequence[int], ctx: Context) -> MPICommunicator:
+        """A communicator over the global ``ranks`` (group rank ``i`` is ``ranks[i]``).
+
+        ``MPI_Comm_create_group``: only the members call it, in the same order on each.
+
+        Args:
+            ranks: the members' ranks in ``MPI_COMM_WORLD``, in group-rank order.
+            ctx: the group's context (its topology: :func:`smddp.comm.groups.group_topology`).
+        """
+        world = MPI.COMM_WORLD
+        group = world.Get_group().Incl(list(ranks))
+        try:
+            # The tag only has to agree among the members (each rank creates one group at a
+            # time, in torch's order); a count of this process's groups would not.
+            created = world.Create_group(group, tag=zlib.crc32(repr(list(ranks)).encode()) % _TAG_SPACE)
+        finally:
+            group.Free()
+        try:
+            return MPICommunicator(ctx, created)
+        finally:
+            created.Free()
 
     # ---------------------------------------------------------------- all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
@@ -202,7 +227,7 @@ class MPICommunicator(Communicator):
         if self._worker is None:
             # Its own communicator: the worker's collectives never interleave with the
             # non-blocking ones started from the caller's thread.
-            self._large_comm = MPI.COMM_WORLD.Dup()
+            self._large_comm = self._base.Dup()
             self._worker = threading.Thread(target=self._work_loop, name="smddp-mpi", daemon=True)
             self._worker.start()
         self._queue.put((self._large_comm.Allreduce, (MPI.IN_PLACE, _buffer(work, _MPI_TYPES[work.dtype])),

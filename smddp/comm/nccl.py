@@ -151,7 +151,8 @@ def decode_unique_id(payload: bytes) -> UniqueId:
     raise CollectiveError(f"the store holds no NCCL unique id in smddp's format (starts with {payload[:8]!r})")
 
 
-def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, mpi_comm=None) -> UniqueId:
+def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, mpi_comm=None,
+                    key: Optional[str] = None) -> UniqueId:
     """Rank 0's new NCCL unique id, on every rank.
 
     Sent with an MPI broadcast (mpi4py's pickling ``bcast``, which keeps bytes or tuple as
@@ -164,6 +165,8 @@ def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, m
         store: the job's torch store (``set``/``get`` of bytes).
         generation: which communicator of this process the id is for.
         mpi_comm: an mpi4py communicator to broadcast over (default ``COMM_WORLD`` under MPI).
+        key: the store key (default one per ``generation``); a subgroup's store is its own,
+            and its members may have made different numbers of communicators before.
 
     Raises:
         BackendUnavailableError: more than one rank, no MPI and no store.
@@ -181,7 +184,7 @@ def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, m
             f"rank {topology.rank} of {topology.size} has no way to share NCCL's unique id: launch with "
             f"mpirun (and pip install 'smddp[mpi]') or torchrun, or pass a store to init_process_group"
         )
-    key = f"smddp/nccl/{generation}/unique_id"
+    key = key or f"smddp/nccl/{generation}/unique_id"
     if topology.rank == 0:
         uid = nccl.get_unique_id()
         store.set(key, encode_unique_id(uid))
@@ -329,8 +332,10 @@ class NCCLCommunicator(Communicator):
         """This communicator for CUDA tensors and a CPU communicator (mpi, gloo or local) for CPU ones."""
         return with_cpu_companion("cuda", cls, ctx)
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, unique_id_key: Optional[str] = None):
         """Set this rank's CUDA device and join the job's NCCL communicator.
+
+        ``unique_id_key``: the store key of the unique id (subgroups; see :func:`share_unique_id`).
 
         Raises:
             BackendUnavailableError: no CUDA device, CuPy or NCCL missing (the message says
@@ -353,7 +358,7 @@ class NCCLCommunicator(Communicator):
         if self.nccl_version < NCCL_2_10:
             self.dtypes = frozenset(self.dtypes - {torch.bfloat16})
         self._timeout = ctx.timeout.total_seconds()
-        uid = share_unique_id(self._nccl, ctx.topology, ctx.store, next(_generation))
+        uid = share_unique_id(self._nccl, ctx.topology, ctx.store, next(_generation), key=unique_id_key)
         self._comm: Any = self._nccl.NcclCommunicator(self.size, uid, self.rank)
         self._barrier_buf = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._side = torch.cuda.Stream(self.device) if self.stream_mode == "side" else None

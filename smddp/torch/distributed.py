@@ -116,8 +116,9 @@ def _check_group(grp) -> None:
     if pg is not None and grp is pg:
         return
     raise InvalidGroupError(
-        f"process groups are not supported: got {grp!r}; the only supported value is "
-        f"smddp.torch.distributed.group.WORLD"
+        f"smddp.torch.distributed's functions take only smddp.torch.distributed.group.WORLD, as "
+        f"smdistributed's reference says; got {grp!r}. For a subgroup (torch.distributed.new_group, "
+        f"DeviceMesh) call torch.distributed's function with group=... instead"
     )
 
 

@@ -23,8 +23,8 @@ from smddp._topology import Topology, discover
 from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
-from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidGroupError
-from smddp.torch import _compat, _native, _rendezvous
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.torch import _compat, _groups, _native, _rendezvous
 
 BACKEND_NAME = "smddp"
 
@@ -146,9 +146,21 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
+    def shutdown(self) -> None:
+        """``destroy_process_group(group)`` of a subgroup: close its engine and native backends now.
+
+        The world's group is closed by :func:`destroy` instead.
+        """
+        if self.engine.global_ranks is not None and _groups.forget(self):
+            self.engine.close()
+            _shut_down_native(self)
+
     # collectives torch calls by these names
     def allreduce(self, tensors, opts=None):
         tensor = _single(tensors, "allreduce")
+        if tensor.is_sparse:
+            # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
+            return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
         op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         handle = self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward())
@@ -253,7 +265,10 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         return Work(joined, list(tensors))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), output_lists, input_tensors)
+        # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
+        _check_gather_coalesced(output_lists, input_tensors, self.size())
+        per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
+        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
         return Work(joined, list(output_lists))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -316,6 +331,25 @@ class _RecvWork(Work):
         return self._source()
 
 
+def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:
+    """gloo's argument checks of ``all_gather_coalesced``, before anything is sent."""
+    if not input_tensors:
+        raise InvalidArgumentError("all_gather_coalesced: requires a non-empty input tensor list")
+    if len(output_lists) != size:
+        raise InvalidArgumentError(
+            f"all_gather_coalesced: needs one output list per rank ({size}), got {len(output_lists)}")
+    for r, outputs in enumerate(output_lists):
+        if len(outputs) != len(input_tensors):
+            raise InvalidArgumentError(
+                f"all_gather_coalesced: output list {r} has {len(outputs)} tensors; the input list has "
+                f"{len(input_tensors)}")
+        for i, (out, inp) in enumerate(zip(outputs, input_tensors)):
+            if out.shape != inp.shape or out.dtype != inp.dtype:
+                raise InvalidArgumentError(
+                    f"all_gather_coalesced: output {r}[{i}] is {out.dtype} {tuple(out.shape)}; input {i} is "
+                    f"{inp.dtype} {tuple(inp.shape)}: they must match")
+
+
 def _reduce_op(opts) -> Op:
     return torch_op(opts.reduceOp if opts is not None else tdist.ReduceOp.SUM)
 
@@ -323,6 +357,7 @@ def _reduce_op(opts) -> Op:
 # ---------------------------------------------------------------------------- creation
 _requested_backend: Optional[str] = None
 _current: Optional[SmddpProcessGroup] = None
+_world_topology: Optional[Topology] = None
 
 
 def current() -> Optional[SmddpProcessGroup]:
@@ -361,12 +396,9 @@ def _topology(rank: int, size: int) -> Topology:
 
 
 def _create(options, backend_options=None) -> SmddpProcessGroup:
-    global _current
+    global _current, _world_topology
     if tdist.is_initialized():
-        raise InvalidGroupError(
-            "smddp supports one process group, group.WORLD; new_group() with the smddp backend is "
-            "not supported (pass backend='gloo' to new_group for a CPU subgroup)"
-        )
+        return _groups.create_subgroup(options, _current, _world_topology, _timeout(options.timeout))
     _tear_down_at_exit()
     rank, size = options.group_rank, options.group_size
     topology = _topology(rank, size)
@@ -378,7 +410,7 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
     group._set_group_name(group_name)
     # torch's functional collectives (FSDP2 state dicts, DTensor) need a native backend per device.
     group.native_backends = _native.attach(group, options.store, rank, size, timeout, group_name)
-    _current = group
+    _current, _world_topology = group, topology
     return group
 
 
@@ -424,6 +456,9 @@ def _tear_down_at_exit() -> None:
 def destroy() -> None:
     """Close the engine and forget the group (torch's own group is destroyed by the caller)."""
     global _current
+    for group in _groups.forget_all():
+        group.engine.close()
+        _shut_down_native(group)
     if _current is not None:
         _current.engine.close()
         _shut_down_native(_current)
