@@ -93,8 +93,8 @@ class PlaneCommunicator(MPICommunicator):
                 return "mpi", "no usable shared memory on this host"
             return "shm", f"all {self.size} ranks share one host"
         if min(sizes) != max(sizes) or local_size == 1:
-            return "mpi", f"ranks per host {sorted(set(sizes))}: the hierarchical plane needs 2+ ranks on every host, " \
-                          f"the same number everywhere"
+            return "mpi", (f"ranks per host {sorted(set(sizes))}: the hierarchical plane needs the same "
+                           f"number of ranks, 2 or more, on every host")
         shm = open_plane(local, "host")
         # Every host must have its plane, or none does.
         if self.comm.allreduce(0 if shm is None else 1, op=MPI.MIN) == 0:
