@@ -168,6 +168,7 @@ class Plane:
         self._epoch = 0  # the last epoch this rank published
         self._last_written = 0  # epoch of the latest step's copy-in: buffers older than it are free
         self._steps = 0
+        self._cache: dict = {}
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._waiting_since = 0.0
@@ -179,7 +180,17 @@ class Plane:
         return self._bytes[start:start + self.slot]
 
     def _view(self, rank: int, step: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._buffer(rank, step).view(dtype)[:numel]
+        return self._views(step, dtype, numel)[rank]
+
+    def _views(self, step: int, dtype: torch.dtype, numel: int) -> List[torch.Tensor]:
+        """Every rank's buffer of ``step`` as ``numel`` elements of ``dtype`` (cached: views cost microseconds)."""
+        key = (step % 2, dtype, numel)
+        views = self._cache.get(key)
+        if views is None:
+            if len(self._cache) >= 256:
+                self._cache.clear()
+            views = self._cache[key] = [self._buffer(r, step).view(dtype)[:numel] for r in range(self.size)]
+        return views
 
     def _publish(self) -> int:
         self._epoch += 1
@@ -301,25 +312,29 @@ class Plane:
 
     def _reduce_one_shot(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
         yield from self._step()
-        step, n = self._steps, flat.numel()
-        self._view(self.rank, step, flat.dtype, n).copy_(flat)
+        views = self._views(self._steps, flat.dtype, flat.numel())
+        views[self.rank].copy_(flat)
         yield (None, self._written())
-        self._fold(flat, [self._view(r, step, flat.dtype, n) for r in range(self.size)], op, True)
+        self._fold(flat, views, op, True)
 
     def _reduce_slice(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
         yield from self._step()
-        step, n = self._steps, flat.numel()
-        mine = self._view(self.rank, step, flat.dtype, n)
-        mine.copy_(flat)
-        yield (None, self._written())
+        n = flat.numel()
+        views = self._views(self._steps, flat.dtype, n)
+        mine = views[self.rank]
         bounds = _bounds(n, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        self._fold(flat[lo:hi], [self._view(r, step, flat.dtype, n)[lo:hi] for r in range(self.size)], op, True)
-        mine[lo:hi].copy_(flat[lo:hi])
+        # Publish only what the others reduce; this rank's own part stays private until reduced.
+        mine[:lo].copy_(flat[:lo])
+        mine[hi:].copy_(flat[hi:])
+        yield (None, self._written())
+        parts = [flat[lo:hi] if r == self.rank else views[r][lo:hi] for r in range(self.size)]
+        self._fold(mine[lo:hi], parts, op, True)
+        flat[lo:hi].copy_(mine[lo:hi])
         yield (None, self._publish())
         for r in range(self.size):
             if r != self.rank:
-                flat[bounds[r]:bounds[r + 1]].copy_(self._view(r, step, flat.dtype, n)[bounds[r]:bounds[r + 1]])
+                flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
 
     def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int
                           ) -> Iterator[_Wait]:
