@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                         help="timed calls per method per round (default: 100 up to 64K, 10 above)")
     parser.add_argument("--layers", action="store_true",
                         help="also time smddp's layers: Engine.all_reduce and the MPI communicator")
-    parser.add_argument("--plane", choices=("auto", "shm", "mpi"), default=None,
+    parser.add_argument("--plane", choices=("auto", "shm", "hierarchical", "mpi"), default=None,
                         help="pin smddp's CPU plane (sets SMDDP_CPU_PLANE; default: the environment's, else auto)")
     parser.add_argument("--json", metavar="FILE", help="write the medians and ratios to FILE (rank 0)")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -166,6 +167,7 @@ _REDUCE_OPS = {Op.SUM: dist.ReduceOp.SUM, Op.AVERAGE: dist.ReduceOp.AVERAGE, Op.
                Op.MAX: dist.ReduceOp.MAX}
 
 assert getattr(comm, "plane", "gloo") == PLANE, (getattr(comm, "plane", None), PLANE)
+print(f"LOCAL {rank} {dist.get_local_rank()} {socket.gethostname()}", flush=True)
 if MODE == "kill":
     kill()
 else:
