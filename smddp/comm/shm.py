@@ -455,7 +455,7 @@ def _bounds(n: int, parts: int) -> List[int]:
 class _Op(Pending):
     """One queued shared-memory operation."""
 
-    __slots__ = ("_plane", "gen", "wait", "done", "error", "_then")
+    __slots__ = ("_plane", "gen", "wait", "done", "error")
 
     def __init__(self, plane: Plane, gen: Iterator[_Wait]):
         self._plane = plane
