@@ -230,6 +230,10 @@ class Plane:
         op = _Op(self, gen)
         with self._lock:
             self._queue.append(op)
+            if len(self._queue) == 1:
+                # Nothing ahead of it: copy in and publish now, in the caller's thread, so the
+                # other ranks can proceed before anyone tests this operation.
+                self._advance()
         return op
 
     def _advance(self) -> None:
