@@ -29,15 +29,30 @@ def assert_all_ranks_passed(result, size: int, plane: str) -> None:
     planes = rank_lines(result.stdout, "PLANES")
     for rank in range(size):
         used = dict(item.split(":") for item in planes[rank].split(","))
+        assert used.pop("all_to_all_single") == "mpi", used  # never a shared-memory collective
         assert set(used.values()) == {plane}, used
 
 
 @pytest.mark.parametrize("np,slot", [(2, None), (3, 65536)])
 def test_every_collective_on_the_shm_plane(np, slot):
     before = ours()
-    env = {"SMDDP_SHM_SLOT_BYTES": str(slot)} if slot else {}  # 64 KiB slots: large messages in slices
-    assert_all_ranks_passed(mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env=env), np, "shm")
+    env = {"SMDDP_SHM_SLOT_BYTES": str(slot)} if slot else {"SMDDP_DEBUG": "1"}  # 64 KiB: in slices
+    result = mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env=env)
+    assert_all_ranks_passed(result, np, "shm")
     assert ours() <= before  # nothing left in /dev/shm
+    if not slot:  # SMDDP_DEBUG says which plane each collective took
+        assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.stderr, result.stderr
+        for rank in range(np):
+            assert f"smddp: rank {rank}: all_reduce on the shm plane" in result.stderr, result.stderr
+            assert f"smddp: rank {rank}: all_to_all_single on the mpi plane" in result.stderr, result.stderr
+
+
+def test_unknown_or_impossible_plane_is_an_error():
+    result = mpirun(2, [SCRIPT, "checks", "shm"], timeout=120, env={"SMDDP_CPU_PLANE": "fast"})
+    assert result.returncode != 0 and "SMDDP_CPU_PLANE='fast' is not a CPU plane" in result.output, result.output
+    # All ranks on one host: there is nothing to be hierarchical about.
+    result = mpirun(2, [SCRIPT, "checks", "shm"], timeout=120, env={"SMDDP_CPU_PLANE": "hierarchical"})
+    assert result.returncode != 0 and "SMDDP_CPU_PLANE=hierarchical cannot be used" in result.output, result.output
 
 
 def test_plane_pinned_to_mpi():

@@ -139,6 +139,16 @@ def check_gather_broadcast() -> None:
     passed("barrier")
 
 
+def check_all_to_all() -> None:
+    """Not a shared-memory collective: it goes through MPI from the same communicator."""
+    src = torch.arange(size * 4, dtype=torch.int64) + 100 * rank
+    out = torch.empty(size * 4, dtype=torch.int64)
+    dist.all_to_all_single(out, src)
+    want = torch.cat([torch.arange(rank * 4, rank * 4 + 4) + 100 * r for r in range(size)])
+    assert torch.equal(out, want), (out, want)
+    passed("all_to_all_single")
+
+
 def check_async_out_of_order() -> None:
     """Several operations in flight at once, waited in reverse: each must hold its own answer."""
     tensors = [values(rank, n, torch.float32, 5) for n in (3, 70_000, 11, 200_000)]
@@ -177,6 +187,7 @@ else:
     if PLANE == "shm":
         check_reduce_scatter()
     check_async_out_of_order()
+    check_all_to_all()
     planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "plane_counts", {}))
     print(f"PLANES {rank} {','.join(planes)}", flush=True)
     print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
