@@ -31,7 +31,7 @@ class BackendInfo:
 BACKENDS: Dict[str, BackendInfo] = {
     info.name: info
     for info in (
-        BackendInfo("mpi", "smddp.comm.mpi:MPICommunicator", "cpu",
+        BackendInfo("mpi", "smddp.comm.planes:PlaneCommunicator", "cpu",
                     "pip install 'smddp[mpi]' (mpi4py and Open MPI)",
                     "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
         BackendInfo("gloo", "smddp.comm.gloo:GlooCommunicator", "cpu",
@@ -217,6 +217,11 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
     Raises:
         BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
     """
+    if name == "mpi":
+        from smddp.comm.planes import requested_plane
+
+        if requested_plane() == "gloo":  # SMDDP_CPU_PLANE pins gloo for CPU tensors
+            name = "gloo"
     cls = backend_class(name)
     build = getattr(cls, "build", None)
     if build is not None:

@@ -9,6 +9,7 @@ backends; smddp can.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, Optional
 
 import torch
@@ -39,11 +40,11 @@ def companion_backend(topology: Topology, mpi4py: bool) -> str:
 
     Returns:
         ``"local"`` for a world of one started without a launcher, ``"mpi"`` under an MPI
-        launcher with mpi4py, else ``"gloo"``.
+        launcher with mpi4py (unless ``SMDDP_CPU_PLANE=gloo``), else ``"gloo"``.
     """
     if not topology.distributed and topology.size == 1:
         return "local"
-    if topology.mpi and mpi4py:
+    if topology.mpi and mpi4py and os.environ.get("SMDDP_CPU_PLANE", "").strip().lower() != "gloo":
         return "mpi"
     return "gloo"
 

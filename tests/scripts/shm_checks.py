@@ -1,0 +1,195 @@
+"""The MPI backend's CPU planes, checked on every rank; run by tests/test_shm.py under mpirun.
+
+``python shm_checks.py MODE PLANE``: PLANE is the plane the job must be on. Every rank builds
+every rank's inputs from seeds, so it knows the exact answer without communicating. Prints
+``CHECK <rank> <name>`` per passed check, ``DIGEST <rank> <sha256>`` over float results (ranks
+must agree bit for bit), ``PLANES <rank> <collective:plane,...>``, then ``PASSED <rank> <count>``.
+
+Modes: ``checks`` (every collective, dtype and op; async operations waited out of order),
+``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
+not hang).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)
+
+import smddp.torch.distributed as dist  # noqa: E402
+from smddp.comm.base import Op  # noqa: E402
+from smddp.torch import process_group  # noqa: E402
+
+MODE, PLANE = sys.argv[1], sys.argv[2]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+          torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+# 5 elements: one step; 70,000: past a 64 KiB slot (sliced) for every dtype but int8/uint8.
+SIZES = [5, 70_000]
+OPS = [Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT]
+
+dist.init_process_group()
+rank, size = dist.get_rank(), dist.get_world_size()
+engine = process_group.current().engine
+comm = engine.comms["cpu"]
+DTYPES = [d for d in DTYPES if d in comm.dtypes]  # gloo has no int16
+digest = hashlib.sha256()
+checks = 0
+
+
+def passed(name: str) -> None:
+    global checks
+    checks += 1
+    print(f"CHECK {rank} {name}", flush=True)
+
+
+def values(r: int, numel: int, dtype: torch.dtype, salt: int, op: Op = Op.SUM) -> torch.Tensor:
+    """Small integers (exact in every dtype and under any summation order), seeded per rank."""
+    g = torch.Generator().manual_seed(7919 * r + 31 * numel + salt)
+    if op is Op.PRODUCT:
+        return torch.randint(1, 3, (numel,), generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -9
+    return torch.randint(low, 10, (numel,), generator=g).to(dtype)
+
+
+def expected(stack: torch.Tensor, op: Op, dtype: torch.dtype) -> torch.Tensor:
+    wide = stack.to(torch.float64 if dtype.is_floating_point else torch.int64)
+    if op is Op.SUM:
+        out = wide.sum(0)
+    elif op is Op.AVERAGE:
+        out = wide.sum(0) / size if dtype.is_floating_point else torch.div(wide.sum(0), size, rounding_mode="trunc")
+    elif op is Op.MIN:
+        out = wide.min(0).values
+    elif op is Op.MAX:
+        out = wide.max(0).values
+    else:
+        out = wide.prod(0)
+    return out.to(dtype)
+
+
+def drive(pending) -> None:
+    deadline = time.monotonic() + 60
+    while not pending.test():
+        assert time.monotonic() < deadline, "communicator operation did not complete in 60 s"
+
+
+def check_all_reduce() -> None:
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for op in OPS:
+                if op is Op.PRODUCT and dtype in (torch.int8, torch.uint8, torch.float16, torch.bfloat16):
+                    continue  # products of 2s overflow these
+                stack = torch.stack([values(r, numel, dtype, 1, op) for r in range(size)])
+                t = stack[rank].clone()
+                if op is Op.PRODUCT:  # not in smddp's ReduceOp: straight to the engine
+                    engine.all_reduce(t, op)
+                else:
+                    dist.all_reduce(t, op=_REDUCE_OPS[op])
+                want = expected(stack, op, dtype)
+                assert torch.equal(t, want), (dtype, numel, op, (t != want).nonzero()[:5])
+                passed(f"all_reduce/{dtype}/{numel}/{op.name}")
+
+
+def check_random_bits() -> None:
+    """Random floats: results close to float64's and bitwise identical on every rank (DIGEST)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for numel in SIZES:
+            g = [torch.Generator().manual_seed(100 * r + numel) for r in range(size)]
+            stack = torch.stack([torch.randn(numel, generator=g[r], dtype=torch.float64) for r in range(size)])
+            t = stack[rank].to(dtype).clone()  # float64: .to() alone would alias stack
+            dist.all_reduce(t)
+            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+            assert torch.allclose(t.double(), stack.to(dtype).double().sum(0), rtol=tol, atol=tol * size)
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+            passed(f"all_reduce-random/{dtype}/{numel}")
+
+
+def check_reduce_scatter() -> None:
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for op in (Op.SUM, Op.AVERAGE, Op.MAX):
+                stack = torch.stack([values(r, numel * size, dtype, 2) for r in range(size)])
+                out = torch.full((numel,), 77, dtype=dtype)
+                drive(comm.reduce_scatter(out, stack[rank].clone(), op, 0))
+                want = expected(stack, op, dtype)[rank * numel:(rank + 1) * numel]
+                assert torch.equal(out, want), (dtype, numel, op)
+                passed(f"reduce_scatter/{dtype}/{numel}/{op.name}")
+
+
+def check_gather_broadcast() -> None:
+    for dtype in DTYPES:
+        for numel in SIZES:
+            mine = values(rank, numel, dtype, 3)
+            out = torch.empty(size * numel, dtype=dtype)
+            engine.all_gather_into_tensor(out, mine)
+            assert torch.equal(out, torch.cat([values(r, numel, dtype, 3) for r in range(size)]))
+            passed(f"all_gather/{dtype}/{numel}")
+            for src in range(size):
+                t = values(rank, numel, dtype, 4 + src)
+                dist.broadcast(t, src=src)
+                assert torch.equal(t, values(src, numel, dtype, 4 + src))
+                passed(f"broadcast/{dtype}/{numel}/src{src}")
+    dist.barrier()
+    passed("barrier")
+
+
+def check_all_to_all() -> None:
+    """Not a shared-memory collective: it goes through MPI from the same communicator."""
+    src = torch.arange(size * 4, dtype=torch.int64) + 100 * rank
+    out = torch.empty(size * 4, dtype=torch.int64)
+    dist.all_to_all_single(out, src)
+    want = torch.cat([torch.arange(rank * 4, rank * 4 + 4) + 100 * r for r in range(size)])
+    assert torch.equal(out, want), (out, want)
+    passed("all_to_all_single")
+
+
+def check_async_out_of_order() -> None:
+    """Several operations in flight at once, waited in reverse: each must hold its own answer."""
+    tensors = [values(rank, n, torch.float32, 5) for n in (3, 70_000, 11, 200_000)]
+    handles = [dist.all_reduce(t, async_op=True) for t in tensors]
+    gathered = torch.empty(size * 9, dtype=torch.int32)
+    handles.append(engine.all_gather_into_tensor(gathered, torch.full((9,), rank, dtype=torch.int32), async_op=True))
+    for h in reversed(handles):
+        h.wait()
+    for t, n in zip(tensors, (3, 70_000, 11, 200_000)):
+        assert torch.equal(t, sum(values(r, n, torch.float32, 5) for r in range(size)))
+    assert torch.equal(gathered, torch.arange(size, dtype=torch.int32).repeat_interleave(9))
+    passed("async-reverse-waits")
+
+
+def kill() -> None:
+    t = torch.ones(1000)
+    for i in range(50):
+        if rank == 1 and i == 20:
+            print(f"KILLING {rank}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
+_REDUCE_OPS = {Op.SUM: dist.ReduceOp.SUM, Op.AVERAGE: dist.ReduceOp.AVERAGE, Op.MIN: dist.ReduceOp.MIN,
+               Op.MAX: dist.ReduceOp.MAX}
+
+assert getattr(comm, "plane", "gloo") == PLANE, (getattr(comm, "plane", None), PLANE)
+print(f"LOCAL {rank} {dist.get_local_rank()} {socket.gethostname()}", flush=True)
+if MODE == "kill":
+    kill()
+else:
+    check_all_reduce()
+    check_random_bits()
+    check_gather_broadcast()
+    if PLANE == "shm":
+        check_reduce_scatter()
+    check_async_out_of_order()
+    check_all_to_all()
+    planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "plane_counts", {}))
+    print(f"PLANES {rank} {','.join(planes)}", flush=True)
+    print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
+    dist.destroy_process_group()
+    print(f"PASSED {rank} {checks}", flush=True)

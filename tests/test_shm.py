@@ -1,0 +1,100 @@
+"""The shared-memory CPU plane and the MPI backend's plane choice, in real mpirun jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launchers import SCRIPTS, mpirun, rank_lines
+
+SCRIPT = str(SCRIPTS / "shm_checks.py")
+SHM = Path("/dev/shm")
+
+pytestmark = pytest.mark.mpi
+
+
+def ours() -> set:
+    return {p.name for p in SHM.glob("smddp-shm-*")} if SHM.is_dir() else set()
+
+
+def assert_all_ranks_passed(result, size: int, plane: str) -> None:
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "PASSED")) == list(range(size)), result.output
+    digests = rank_lines(result.stdout, "DIGEST")
+    assert len(set(digests.values())) == 1, digests  # bitwise identical on every rank
+    planes = rank_lines(result.stdout, "PLANES")
+    for rank in range(size):
+        used = dict(item.split(":") for item in planes[rank].split(","))
+        assert used.pop("all_to_all_single") == "mpi", used  # never a shared-memory collective
+        assert set(used.values()) == {plane}, used
+
+
+@pytest.mark.parametrize("np,slot", [(2, None), (3, 65536)])
+def test_every_collective_on_the_shm_plane(np, slot):
+    before = ours()
+    env = {"SMDDP_SHM_SLOT_BYTES": str(slot)} if slot else {"SMDDP_DEBUG": "1"}  # 64 KiB: in slices
+    result = mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env=env)
+    assert_all_ranks_passed(result, np, "shm")
+    assert ours() <= before  # nothing left in /dev/shm
+    if not slot:  # SMDDP_DEBUG says which plane each collective took
+        assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.stderr, result.stderr
+        for rank in range(np):
+            assert f"smddp: rank {rank}: all_reduce on the shm plane" in result.stderr, result.stderr
+            assert f"smddp: rank {rank}: all_to_all_single on the mpi plane" in result.stderr, result.stderr
+
+
+def test_unknown_or_impossible_plane_is_an_error():
+    result = mpirun(2, [SCRIPT, "checks", "shm"], timeout=120, env={"SMDDP_CPU_PLANE": "fast"})
+    assert result.returncode != 0 and "SMDDP_CPU_PLANE='fast' is not a CPU plane" in result.output, result.output
+    # All ranks on one host: there is nothing to be hierarchical about.
+    result = mpirun(2, [SCRIPT, "checks", "shm"], timeout=120, env={"SMDDP_CPU_PLANE": "hierarchical"})
+    assert result.returncode != 0 and "SMDDP_CPU_PLANE=hierarchical cannot be used" in result.output, result.output
+
+
+def test_plane_pinned_to_mpi():
+    result = mpirun(2, [SCRIPT, "checks", "mpi"], timeout=300, env={"SMDDP_CPU_PLANE": "mpi"})
+    assert_all_ranks_passed(result, 2, "mpi")
+
+
+def test_plane_pinned_to_gloo():
+    result = mpirun(2, [SCRIPT, "checks", "gloo"], timeout=300, env={"SMDDP_CPU_PLANE": "gloo"})
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "PASSED")) == [0, 1], result.output
+
+
+def test_dev_shm_too_small_falls_back_to_mpi_with_one_warning():
+    # A 1 TiB buffer per rank: no /dev/shm holds it, as Docker's 64 MB holds no 8 MiB x ranks.
+    result = mpirun(2, [SCRIPT, "checks", "mpi"], timeout=300, env={"SMDDP_SHM_SLOT_BYTES": str(1 << 40)})
+    assert_all_ranks_passed(result, 2, "mpi")
+    assert result.output.count("shared-memory plane unavailable") == 1, result.output
+    assert "--shm-size" in result.output
+
+
+def test_kill_9_leaves_nothing_behind():
+    # A segment a crash during set-up left behind: its creator's pid no longer exists.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = SHM / f"smddp-shm-0-host-world-abcdef-p{dead.pid}"
+    stale.write_bytes(b"\0" * 4096)
+    before = ours() - {stale.name}
+    result = mpirun(2, [SCRIPT, "kill", "shm"], timeout=120, env={"SMDDP_TIMEOUT": "60"})
+    assert result.returncode != 0, result.output
+    assert "KILLING 1" in result.stdout and "UNREACHABLE" not in result.stdout, result.output
+    assert not stale.exists()  # swept by the next job's set-up
+    assert ours() <= before, ours() - before
+
+
+def test_sweep_removes_only_segments_of_dead_processes(tmp_path):
+    from smddp.comm.shm import sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"smddp-shm-1-h-world-aaaaaa-p{dead.pid}").write_bytes(b"")
+    (tmp_path / f"smddp-shm-1-h-world-bbbbbb-p{os.getpid()}").write_bytes(b"")
+    (tmp_path / "other-file").write_bytes(b"")
+    assert sweep_stale(str(tmp_path)) == [f"smddp-shm-1-h-world-aaaaaa-p{dead.pid}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-file", f"smddp-shm-1-h-world-bbbbbb-p{os.getpid()}"]
