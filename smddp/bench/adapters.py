@@ -12,21 +12,27 @@ class Impl:
 
     @property
     def label(self) -> str:
+        """``name(backend)`` as tables show it (just ``name`` when they are the same)."""
         return f"{self.name}({self.backend})" if self.backend and self.backend != self.name else self.name
 
     def all_reduce(self, tensor, redop: str) -> None:
+        """Reduce ``tensor`` over all ranks in place with ``redop`` (``"sum"``, ``"avg"``, ``"min"``, ``"max"``)."""
         raise NotImplementedError
 
     def broadcast(self, tensor, root: int) -> None:
+        """Copy rank ``root``'s ``tensor`` into every rank's."""
         raise NotImplementedError
 
     def all_gather(self, outputs, tensor) -> None:
+        """Fill ``outputs[r]`` with rank ``r``'s ``tensor``."""
         raise NotImplementedError
 
     def all_to_all(self, output, tensor) -> None:
+        """Send slice ``r`` of ``tensor`` to rank ``r``; ``output``'s slice ``r`` comes from rank ``r``."""
         raise NotImplementedError
 
     def barrier(self) -> None:
+        """Return once every rank has called it."""
         raise NotImplementedError
 
 

@@ -110,6 +110,7 @@ class Progress:
         self.done = 0
 
     def step(self, what: str) -> None:
+        """Count one step done (``what``); print a line if the mode says it is time."""
         self.done += 1
         now = time.monotonic()
         if self.mode == "off":

@@ -33,6 +33,7 @@ class Row:
 
     @property
     def label(self) -> str:
+        """The implementation as tables show it: ``impl(backend)``."""
         return f"{self.impl}({self.backend})" if self.backend and self.backend != self.impl else self.impl
 
 
