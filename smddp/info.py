@@ -12,8 +12,9 @@ NCCL, oneCCL; the backends smddp has and whether each can run here; which one
 the launcher and topology detected; and the GPUs torch sees.
 
 It never starts MPI in this process (importing ``mpi4py.MPI`` does): the MPI library and the
-backend modules are loaded in a short-lived child process with ``mpi4py.rc.initialize``
-off, so the report works with or without ``mpirun`` and with or without mpi4py.
+backend modules are loaded in a short-lived child process (:mod:`smddp._info_probe`) with
+``mpi4py.rc.initialize`` off, so the report works with or without ``mpirun`` and with or
+without mpi4py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from smddp._info_probe import MARKER
+
 #: Environment variables worth showing: prefixes and exact names (values shown as they are).
 ENV_PREFIXES = ("SMDDP_", "SMDATAPARALLEL_", "NCCL_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCAL", "CCL_", "FI_")
 ENV_NAMES = (
@@ -41,60 +44,6 @@ ENV_NAMES = (
 _SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
 
 _CHILD_TIMEOUT = 60
-
-# Runs in the child: loads what would start MPI or a device runtime here, prints JSON.
-_CHILD = r"""
-import json, sys
-out = {}
-try:
-    import mpi4py
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
-    out["mpi4py"] = {"version": mpi4py.__version__}
-    from mpi4py import MPI
-    vendor, version = MPI.get_vendor()
-    out["mpi"] = {
-        "library_version": MPI.Get_library_version().strip(),
-        "standard": "%d.%d" % MPI.Get_version(),
-        "vendor": "%s %s" % (vendor, ".".join(map(str, version))),
-    }
-except ImportError as exc:
-    out["mpi4py_error"] = str(exc)
-except Exception as exc:
-    out["mpi_error"] = "%s: %s" % (type(exc).__name__, exc)
-try:
-    import cupy
-    out["cupy"] = {"version": cupy.__version__}
-    try:
-        from cupy.cuda import nccl
-        v = nccl.get_version()
-        out["cupy"]["nccl"] = "%d.%d.%d" % (v // 10000, v // 100 % 100, v % 100) if v >= 10000 else str(v)
-    except Exception as exc:
-        out["cupy"]["nccl_error"] = "%s: %s" % (type(exc).__name__, exc)
-    try:
-        v = cupy.cuda.runtime.runtimeGetVersion()
-        out["cupy"]["cuda_runtime"] = "%d.%d" % (v // 1000, v % 1000 // 10)
-    except Exception as exc:
-        out["cupy"]["cuda_runtime_error"] = "%s: %s" % (type(exc).__name__, exc)
-except ImportError:
-    pass
-except Exception as exc:
-    out["cupy_error"] = "%s: %s" % (type(exc).__name__, exc)
-try:
-    from smddp import comm
-    loads = {}
-    for name in list(comm.BACKENDS):
-        try:
-            comm.backend_class(name)
-            loads[name] = None
-        except Exception as exc:
-            loads[name] = str(exc)
-    out["backends"] = loads
-except Exception as exc:
-    out["backends_error"] = "%s: %s" % (type(exc).__name__, exc)
-sys.stdout.write("\n@@SMDDP-INFO@@" + json.dumps(out) + "\n")
-"""
-
 
 def _version(module_name: str, dist_names: Sequence[str] = ()) -> Optional[str]:
     """A package's version without importing it (distribution metadata), else by import."""
@@ -122,8 +71,8 @@ def _start_child() -> Optional[subprocess.Popen]:
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(smddp.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
     try:
-        return subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, env=env)
+        return subprocess.Popen([sys.executable, "-m", "smddp._info_probe"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
     except OSError:
         return None
 
@@ -139,8 +88,8 @@ def _child_result(child: Optional[subprocess.Popen]) -> Dict[str, Any]:
         child.communicate()
         return {"child_error": f"probing MPI and the backends took more than {_CHILD_TIMEOUT} s"}
     for line in stdout.splitlines():
-        if line.startswith("@@SMDDP-INFO@@"):
-            return json.loads(line[len("@@SMDDP-INFO@@"):])
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
     tail = (stderr or stdout).strip().splitlines()[-3:]
     return {"child_error": f"the probe exited with status {child.returncode}: {' | '.join(tail)}"}
 

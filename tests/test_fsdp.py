@@ -179,3 +179,11 @@ def test_joined_completes_once_all_do(world_of_one):
     assert joined.is_completed() and joined.exception() is None and seen == [joined]
     with pytest.raises(smddp.InvalidArgumentError, match="different lengths"):
         derived.each(lambda a, b: None, [1, 2], [1])
+
+
+@pytest.mark.mpi
+def test_joined_waits_for_handles_still_running(tmp_path):
+    # Rank 1 joins each all_reduce only when rank 0 says so: rank 0's Joined must stay
+    # incomplete, its callback unrun, until the last of its handles completes.
+    res = mpirun(2, ["tests/scripts/joined_pending.py", str(tmp_path)], timeout=120).check()
+    assert sorted(rank_lines(res.stdout, "JOINED_OK")) == [0, 1], res.output

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import smddp.torch.distributed as dist
+from smddp.comm.debug import Checker
 
 from launchers import SCRIPTS, mpirun, rank_lines
 
@@ -45,11 +46,26 @@ def test_world_of_one(world_of_one, name):
 
 def test_world_of_one_with_debug_checks(world_of_one, monkeypatch):
     # SMDDP_DEBUG's fingerprint exchange runs before every call; results must not change.
+    # The real check runs, counted, so the test fails if SMDDP_DEBUG stopped checking.
     dist.destroy_process_group()
     monkeypatch.setenv("SMDDP_DEBUG", "1")
+    checked = []
+    real_check = Checker.check
+
+    def counted(self, seq, op_name, *args, **kwargs):
+        checked.append(op_name)
+        return real_check(self, seq, op_name, *args, **kwargs)
+
+    monkeypatch.setattr(Checker, "check", counted)
     dist.init_process_group()
-    ran = sum(props.run(name, 60, 0, 1) for name in props.PROPERTIES)
-    print(f"hypothesis: {ran} cases in a world of one with SMDDP_DEBUG=1")
+    total = 0
+    for name in props.PROPERTIES:
+        before = len(checked)
+        ran = props.run(name, 60, 0, 1)
+        assert ran >= (12 if name == "barrier" else 30), (name, ran)
+        assert len(checked) > before, f"SMDDP_DEBUG=1 checked none of {ran} {name} cases"
+        total += ran
+    print(f"hypothesis: {total} cases in a world of one with SMDDP_DEBUG=1, {len(checked)} checked")
 
 
 @pytest.mark.mpi
