@@ -44,4 +44,5 @@ def test_every_collective_exact_on_two_hosts_of_two_ranks():
         # Large all-reduces take the hierarchical path; small ones and the rest flat MPI.
         assert "all_reduce:hierarchical" in used and "all_reduce:mpi" in used, (rank, used)
         assert {u for u in used if not u.startswith("all_reduce")} <= {
-            "all_gather:mpi", "broadcast:mpi", "barrier:mpi", "all_to_all_single:mpi"}, (rank, used)
+            "all_gather:mpi", "broadcast:mpi", "barrier:mpi", "all_to_all_single:mpi",
+            "reduce_scatter:mpi"}, (rank, used)

@@ -43,7 +43,8 @@ record = {
     "rank": topo.rank, "size": topo.size, "local_rank": topo.local_rank, "local_size": topo.local_size,
     "launcher": topo.launcher, "args": vars(args), "argv": sys.argv[1:], "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items()
-            if k.startswith("SM_") or k in ("SMDATAPARALLEL_LOCAL_RANK", "MY_SETTING", "TRAINING_JOB_NAME")},
+            if k.startswith("SM_") or k in ("SMDATAPARALLEL_LOCAL_RANK", "MY_SETTING", "TRAINING_JOB_NAME",
+                                            "SAGEMAKER_INSTANCE_TYPE")},
     "channels": channels, "config": sorted(os.listdir(os.environ["SM_INPUT_CONFIG_DIR"])), "dependency": dependency,
 }
 with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"rank-{topo.rank}.json"), "w") as f:
@@ -136,6 +137,7 @@ def test_two_processes_get_sagemaker_environment(src, data, tmp_path, monkeypatc
         assert env["TRAINING_JOB_NAME"] == job.name
         assert json.loads(env["SM_TRAINING_ENV"])["hyperparameters"] == HYPERPARAMETERS
         assert env["MY_SETTING"] == "on"
+        assert env["SAGEMAKER_INSTANCE_TYPE"] == "local"  # as SageMaker's own local mode says
         assert seen["config"] == ["hyperparameters.json", "inputdataconfig.json", "resourceconfig.json"]
         assert Path(seen["cwd"]).resolve() == src.resolve()
     assert not Path(got[0]["env"]["SM_MODEL_DIR"]).parents[1].exists(), "the emulated hosts are removed"

@@ -30,6 +30,7 @@ def assert_all_ranks_passed(result, size: int, plane: str) -> None:
     for rank in range(size):
         used = dict(item.split(":") for item in planes[rank].split(","))
         assert used.pop("all_to_all_single") == "mpi", used  # never a shared-memory collective
+        assert used["reduce_scatter"] == plane, used  # native, not derived from all_to_all_single
         assert set(used.values()) == {plane}, used
 
 

@@ -130,11 +130,8 @@ class PlaneCommunicator(MPICommunicator):
         if self.plane == "shm":
             self._used("reduce_scatter", "shm")
             return self._shm.start(self._shm.reduce_scatter(output, input, op))
-        parent = getattr(super(), "reduce_scatter", None)
-        if parent is None:
-            raise NotImplementedError("reduce_scatter runs natively only on the shm plane here")
         self._used("reduce_scatter", "mpi")
-        return parent(output, input, op, tag)
+        return super().reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         if self.plane == "shm":

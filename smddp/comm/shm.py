@@ -40,6 +40,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, Pending, average, combine
 from smddp.errors import CollectiveError
 
@@ -54,7 +55,6 @@ _WORD = 64  # bytes between two ranks' epoch words: one cache line each
 _SPINS = 64  # flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
-_HALF = (torch.float16, torch.bfloat16)
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
 

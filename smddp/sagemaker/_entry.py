@@ -17,6 +17,7 @@ import sys
 import traceback
 from typing import Mapping, MutableMapping
 
+from smddp import _runtime
 from smddp._topology import discover
 
 # Launcher variables for (local rank, local size, node rank), by launcher.
@@ -71,6 +72,9 @@ def main() -> None:
     with open(sys.argv[1]) as spec_file:
         spec = json.load(spec_file)
     host_environment(spec, os.environ)
+    instance_type = _runtime.instance_type(os.environ)  # known only now, from the host's SM_* values
+    if instance_type:
+        os.environ.setdefault("SAGEMAKER_INSTANCE_TYPE", instance_type)
     script, args = sys.argv[2], sys.argv[3:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -24,6 +24,7 @@ import torch
 torch.set_num_threads(1)
 
 import smddp.torch.distributed as dist  # noqa: E402
+from smddp.comm import derived  # noqa: E402
 from smddp.comm.base import Op  # noqa: E402
 from smddp.torch import process_group  # noqa: E402
 
@@ -122,6 +123,18 @@ def check_reduce_scatter() -> None:
                 passed(f"reduce_scatter/{dtype}/{numel}/{op.name}")
 
 
+def check_reduce_scatter_tensor() -> None:
+    """torch's reduce_scatter_tensor as the backend runs it: the plane's native reduce-scatter."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for numel in SIZES:
+            stack = torch.stack([values(r, numel * size, dtype, 6) for r in range(size)])
+            out = torch.full((numel,), 77, dtype=dtype)
+            derived.reduce_scatter_tensor(engine, out, stack[rank].clone(), Op.SUM).wait()
+            want = expected(stack, Op.SUM, dtype)[rank * numel:(rank + 1) * numel]
+            assert torch.equal(out, want), (dtype, numel)
+            passed(f"reduce_scatter_tensor/{dtype}/{numel}")
+
+
 def check_gather_broadcast() -> None:
     for dtype in DTYPES:
         for numel in SIZES:
@@ -186,6 +199,7 @@ else:
     check_gather_broadcast()
     if PLANE == "shm":
         check_reduce_scatter()
+    check_reduce_scatter_tensor()
     check_async_out_of_order()
     check_all_to_all()
     planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "plane_counts", {}))
