@@ -19,7 +19,7 @@ import abc
 import enum
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -152,6 +152,12 @@ class Communicator(abc.ABC):
         {torch.float16, torch.bfloat16, torch.float32, torch.float64,
          torch.uint8, torch.int8, torch.int32, torch.int64}
     )
+
+    #: Set by the engine that runs this communicator: ``on_timeout(seq, op_name)`` returns the
+    #: :class:`~smddp.errors.CollectiveTimeout` for an operation the communicator itself found
+    #: past its deadline (nccl's watchdog), naming the ranks that never arrived, and marks the
+    #: job broken.
+    on_timeout: Optional[Callable[[int, str], BaseException]] = None
 
     def __init__(self, ctx: Context):
         self.rank = ctx.topology.rank
