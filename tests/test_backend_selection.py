@@ -8,12 +8,9 @@ stands in for torch's NCCL behind the same wrapper, with two ranks in two thread
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
 import itertools
 import logging
-import os
 import sys
 import threading
 import types
@@ -25,7 +22,6 @@ import torch
 import torch.distributed as tdist
 
 import smddp.comm as comm
-from smddp import _excepthook
 from smddp._topology import Topology
 from smddp.comm import BACKENDS, Probe, choose_backend
 from smddp.comm.base import Communicator, Context, Done, Op, Pending
@@ -35,8 +31,6 @@ from smddp.comm.nccl import (
     NCCL_2_10,
     NCCLCommunicator,
     all_to_all_plan,
-    decode_unique_id,
-    encode_unique_id,
     load_nccl,
     nccl_dtypes,
     nccl_ops,
@@ -44,7 +38,7 @@ from smddp.comm.nccl import (
     stream_mode,
 )
 from smddp.comm.torch_native import TorchBackendCommunicator, WorkPending
-from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError, InvalidTypeError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -306,25 +300,6 @@ BYTES_ID = bytes([212, 198, 67, 96, 0, 127, 128, 2] + [0] * 120)  # CuPy >= 14
 
 
 @pytest.mark.parametrize("uid", [X86_ID, ARM_ID, SMALL_ID, BYTES_ID])
-def test_unique_id_survives_the_store_as_the_same_type_and_values(uid):
-    payload = encode_unique_id(uid)
-    assert isinstance(payload, bytes) and len(payload) == 129
-    back = decode_unique_id(payload)
-    assert type(back) is type(uid) and back == uid
-
-
-def test_unique_id_encodings_carry_the_same_bytes():
-    assert encode_unique_id(X86_ID)[1:] == encode_unique_id(ARM_ID)[1:] == BYTES_ID
-
-
-def test_unique_id_bad_inputs():
-    with pytest.raises(CollectiveError, match="no NCCL unique id"):
-        decode_unique_id(b"something else")
-    with pytest.raises(InvalidArgumentError):
-        encode_unique_id((300,) * 128)
-
-
-@pytest.mark.parametrize("uid", [X86_ID, BYTES_ID])
 def test_unique_id_shared_through_the_store(monkeypatch, uid):
     fake = _fake_cupy(monkeypatch, uid=uid)
     store = tdist.HashStore()
@@ -649,338 +624,3 @@ def test_torch_backend_wrapper_runs_every_collective_and_op():
         assert results[r]["barrier"] is True
     assert results[0]["all_to_all"].tolist() == [0.0, 10.0, 11.0, 12.0]
     assert results[1]["all_to_all"].tolist() == [1.0, 2.0]
-
-
-# ---------------------------------------------------------------------------- NCCLCommunicator on a stand-in
-# CuPy's NCCL calls take raw device pointers and a stream handle. The stand-in below
-# performs them on host memory (ranks are threads meeting at a barrier), and CUDA streams
-# and events are recorded rather than run, so the communicator's own code (pointer and
-# offset arithmetic, dtype and op codes, grouping, completion, teardown) runs here.
-_CODE_DTYPES = {code: dtype for dtype, code in NCCL_H.items()}
-
-
-def _host_view(ptr: int, count: int, code: int) -> torch.Tensor:
-    dtype = _CODE_DTYPES[code]
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
-
-
-class _World:
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=20)
-        self.slots = [None] * size
-        self.mail = {}
-        self.lock = threading.Lock()
-
-
-class HostNccl(types.ModuleType):
-    """``cupy.cuda.nccl`` on host memory."""
-
-    def __init__(self, version: int = 22703):
-        super().__init__("cupy.cuda.nccl")
-        self.available, self.version = True, version
-        for dtype, code in NCCL_H.items():
-            setattr(self, {torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8", torch.int32: "NCCL_INT32",
-                           torch.int64: "NCCL_INT64", torch.float16: "NCCL_FLOAT16", torch.float32: "NCCL_FLOAT32",
-                           torch.float64: "NCCL_FLOAT64", torch.bfloat16: "NCCL_BFLOAT16"}[dtype], code)
-        self.NCCL_SUM, self.NCCL_PROD, self.NCCL_MAX, self.NCCL_MIN, self.NCCL_AVG = 0, 1, 2, 3, 4
-        self.worlds, self.lock, self.local = {}, threading.Lock(), threading.local()
-        self.comms, self.op_codes = [], []
-        nccl = self
-
-        class NcclCommunicator:
-            def __init__(self, ndev, uid, rank):
-                assert isinstance(uid, bytes) and len(uid) == 128
-                with nccl.lock:
-                    self.world = nccl.worlds.setdefault(uid, _World(ndev))
-                self.rank, self.error, self.destroyed, self.aborted = rank, None, False, False
-                nccl.comms.append(self)
-
-            def _exchange(self, value):
-                w = self.world
-                w.slots[self.rank] = value
-                w.barrier.wait()
-                values = list(w.slots)
-                w.barrier.wait()
-                return values
-
-            def allReduce(self, send, recv, count, code, op, stream):  # noqa: N802 - CuPy's names
-                nccl.op_codes.append(op)
-                stack = torch.stack(self._exchange(_host_view(send, count, code).clone()))
-                wide = stack.double() if stack.is_floating_point() else stack.long()
-                result = {0: lambda: wide.sum(0), 1: lambda: wide.prod(0), 2: lambda: wide.max(0).values,
-                          3: lambda: wide.min(0).values,
-                          4: lambda: wide.sum(0) / self.world.size if stack.is_floating_point()
-                          else torch.div(wide.sum(0), self.world.size, rounding_mode="trunc")}[op]()
-                _host_view(recv, count, code).copy_(result.to(stack.dtype))
-
-            def broadcast(self, send, recv, count, code, root, stream):
-                values = self._exchange(_host_view(send, count, code).clone())
-                _host_view(recv, count, code).copy_(values[root])
-
-            def allGather(self, send, recv, count, code, stream):  # noqa: N802
-                values = self._exchange(_host_view(send, count, code).clone())
-                _host_view(recv, count * self.world.size, code).copy_(torch.cat(values))
-
-            def send(self, ptr, count, code, peer, stream):
-                with self.world.lock:
-                    self.world.mail[(self.rank, peer)] = _host_view(ptr, count, code).clone()
-                nccl.local.group.append(None)
-
-            def recv(self, ptr, count, code, peer, stream):
-                nccl.local.group.append((self, ptr, count, code, peer))
-
-            def check_async_error(self):
-                if self.error:
-                    raise RuntimeError(self.error)
-
-            def destroy(self):
-                self.destroyed = True
-
-            def abort(self):
-                self.aborted = True
-
-        self.NcclCommunicator = NcclCommunicator
-
-    def get_unique_id(self):
-        return os.urandom(128)
-
-    def get_version(self):
-        return self.version
-
-    def groupStart(self):  # noqa: N802
-        self.local.group = []
-
-    def groupEnd(self):  # noqa: N802
-        calls, self.local.group = self.local.group, None
-        comms = [c for c in calls if c is not None]
-        world = comms[0][0].world if comms else self.comms[-1].world
-        world.barrier.wait()  # every send of every rank is posted
-        for owner, ptr, count, code, peer in comms:
-            _host_view(ptr, count, code).copy_(world.mail[(peer, owner.rank)])
-        world.barrier.wait()
-
-
-class FakeStream:
-    def __init__(self, handle: int = 1, device=None):
-        self.cuda_stream, self.device, self.waited, self.waited_streams = handle, torch.device("cpu"), [], []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-    def wait_stream(self, stream):
-        self.waited_streams.append(stream)
-
-
-class FakeEvent:
-    def __init__(self, **kwargs):
-        self.stream = None
-
-    def record(self, stream=None):
-        self.stream = stream
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-@pytest.fixture
-def host_nccl(monkeypatch):
-    """CuPy's NCCL on host memory, and CUDA streams that record; tensors stay on the CPU."""
-    import smddp.comm.nccl as nccl_module
-
-    fake = HostNccl()
-    runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
-    cuda = types.ModuleType("cupy.cuda")
-    cuda.nccl, cuda.runtime = fake, runtime
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = cuda
-    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", fake)):
-        monkeypatch.setitem(sys.modules, name, module)
-    current = threading.local()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(current, "stream", DEFAULT))
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(nccl_module, "pick_device", lambda ctx, kind: torch.device("cpu"))
-    monkeypatch.setattr(nccl_module, "_generation", PerThreadCount())  # each thread is a process here
-    fake.current = current
-    fake.runtime = runtime
-    DEFAULT.waited.clear()
-    DEFAULT.waited_streams.clear()
-    return fake
-
-
-DEFAULT = FakeStream(1)
-
-
-class PerThreadCount:
-    """``itertools.count()`` per thread: the per-process count of a rank that is a thread."""
-
-    def __init__(self):
-        self.local = threading.local()
-
-    def __next__(self) -> int:
-        value = getattr(self.local, "value", 0)
-        self.local.value = value + 1
-        return value
-
-
-def _nccl_ranks(fake: HostNccl, size: int, body):
-    """``body(rank, engine, comm)`` on ``size`` ranks of NCCLCommunicator (threads)."""
-    store = tdist.HashStore()
-    results, errors = {}, []
-
-    def rank(r: int) -> None:
-        try:
-            topology = Topology(rank=r, size=size, local_rank=r, local_size=size,
-                                launcher="torchrun" if size > 1 else "none")
-            nccl_comm = NCCLCommunicator(_ctx(topology, store=store))
-            # the stand-in's tensors live on the CPU: route them to the NCCL communicator
-            results[r] = body(r, Engine({"cpu": nccl_comm}, timeout=20), nccl_comm)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            for world in list(fake.worlds.values()):
-                world.barrier.abort()  # the other ranks stop waiting at once
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert len(results) == size, "a rank did not finish"
-    return results
-
-
-@pytest.mark.parametrize("version", [22703, 2804])  # with ncclAvg, and before it (sum, then divide)
-def test_nccl_communicator_collectives_on_two_ranks(host_nccl, version):
-    host_nccl.version = version
-    stack = torch.stack([torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([4.0, 5.0, -6.0, 0.25])])
-    floats = (torch.float32, torch.bfloat16) if version >= NCCL_2_10 else (torch.float32,)
-
-    def body(r, engine, nccl_comm):
-        out = {}
-        if version < NCCL_2_10:  # ncclBfloat16 came with NCCL 2.10: refused before any call
-            with pytest.raises(InvalidTypeError, match="bfloat16"):
-                engine.all_reduce(torch.ones(2, dtype=torch.bfloat16), Op.SUM)
-        for op in Op:
-            for dtype in (*floats, torch.int64):
-                t = (stack[r] * 4).to(dtype) if dtype == torch.int64 else stack[r].clone().to(dtype)
-                engine.all_reduce(t, op)
-                out[(op, dtype)] = t
-        b = torch.arange(6, dtype=torch.float16) * (r + 1)
-        engine.broadcast(b, 1)
-        out["broadcast"] = b
-        slots = [torch.zeros(2, 3, dtype=torch.int32) for _ in range(2)]
-        engine.all_gather(slots, torch.full((2, 3), r + 7, dtype=torch.int32))
-        out["all_gather"] = torch.stack(slots)
-        # uneven, 8-byte and 2-byte elements: offsets are counted in elements, moved in bytes
-        for dtype in (torch.int64, torch.float16):
-            src = (torch.arange(5) + 10 * r).to(dtype)
-            splits_in, splits_out = ([2, 3], [2, 1]) if r == 0 else ([1, 4], [3, 4])
-            dst = torch.full((sum(splits_out),), -1).to(dtype)
-            engine.all_to_all_single(dst, src, splits_out, splits_in)
-            out[("all_to_all", dtype)] = dst
-        out["barrier"] = engine.barrier(async_op=True).wait()
-        engine.close()
-        out["destroyed"] = nccl_comm._comm is None
-        return out
-
-    results = _nccl_ranks(host_nccl, 2, body)
-    for r in range(2):
-        got = results[r]
-        for dtype in floats:
-            values = stack.to(dtype).double()
-            assert torch.equal(got[(Op.SUM, dtype)].double(), values.sum(0).to(dtype).double())
-            assert torch.equal(got[(Op.AVERAGE, dtype)].double(), values.mean(0).to(dtype).double())
-            assert torch.equal(got[(Op.MIN, dtype)].double(), values.min(0).values)
-            assert torch.equal(got[(Op.MAX, dtype)].double(), values.max(0).values)
-            assert torch.equal(got[(Op.PRODUCT, dtype)].double(), values.prod(0).to(dtype).double())
-        ints = (stack * 4).long()
-        assert got[(Op.SUM, torch.int64)].tolist() == ints.sum(0).tolist()
-        assert got[(Op.AVERAGE, torch.int64)].tolist() == torch.div(ints.sum(0), 2, rounding_mode="trunc").tolist()
-        assert torch.equal(got["broadcast"], torch.arange(6, dtype=torch.float16) * 2)
-        assert got["all_gather"][:, 0, 0].tolist() == [7, 8]
-        assert got["barrier"] is True and got["destroyed"]
-    for dtype in (torch.int64, torch.float16):
-        assert results[0][("all_to_all", dtype)].tolist() == [0, 1, 10]
-        assert results[1][("all_to_all", dtype)].tolist() == [2, 3, 4, 11, 12, 13, 14]
-    assert all(c.destroyed and not c.aborted for c in host_nccl.comms)
-    avg_code = 4 if version >= NCCL_2_10 else None
-    assert (4 in host_nccl.op_codes) == (avg_code == 4)
-
-
-def test_nccl_communicator_world_of_one_and_device_setup(host_nccl):
-    def body(r, engine, nccl_comm):
-        t = torch.tensor([3.0, 4.0])
-        engine.all_reduce(t, Op.AVERAGE)
-        out = torch.zeros(4)
-        engine.all_gather_into_tensor(out, torch.tensor([1.0, 2.0, 3.0, 4.0]))
-        a2a = torch.zeros(3, dtype=torch.int64)
-        engine.all_to_all_single(a2a, torch.tensor([5, 6, 7]))
-        return t, out, a2a, nccl_comm
-
-    t, out, a2a, nccl_comm = _nccl_ranks(host_nccl, 1, body)[0]
-    assert t.tolist() == [3.0, 4.0] and out.tolist() == [1.0, 2.0, 3.0, 4.0] and a2a.tolist() == [5, 6, 7]
-    assert host_nccl.runtime.devices == [nccl_comm.device.index]  # CuPy's device set before the communicator
-    assert nccl_comm.nccl_version == 22703 and torch.bfloat16 in nccl_comm.dtypes
-
-
-def test_nccl_pending_orders_the_waiting_stream(host_nccl):
-    def body(r, engine, nccl_comm):
-        handle = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
-        assert handle._pending.stream_aware()
-        event = handle._pending.event
-        assert event.stream is DEFAULT  # recorded on the stream the collective was enqueued on
-        other = FakeStream(2)
-        host_nccl.current.stream = other
-        handle.wait()  # from another stream: that stream waits on the collective's event
-        host_nccl.current.stream = DEFAULT
-        same = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
-        same.wait()
-        return other.waited == [event], DEFAULT.waited
-
-    waited_other, waited_default = _nccl_ranks(host_nccl, 1, body)[0]
-    assert waited_other and waited_default == []
-
-
-def test_nccl_async_error_fails_the_collective_and_teardown_aborts(host_nccl):
-    def body(r, engine, nccl_comm):
-        nccl_comm._comm.error = "remote process exited"
-        with pytest.raises(CollectiveError, match="remote process exited"):
-            engine.all_reduce(torch.ones(2), Op.SUM)
-        raw = nccl_comm._comm
-        engine.close()
-        _excepthook.forget(engine)  # a broken engine would end pytest's process at exit
-        return raw
-
-    raw = _nccl_ranks(host_nccl, 1, body)[0]
-    assert raw.aborted and not raw.destroyed
-
-
-def test_nccl_side_stream_mode(host_nccl, monkeypatch):
-    side = FakeStream(7)
-    recorded = []
-    monkeypatch.setenv("SMDDP_NCCL_STREAM", "side")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)))
-
-    def body(r, engine, nccl_comm):
-        t = torch.ones(3)
-        handle = engine.all_reduce(t, Op.SUM, async_op=True)
-        event = handle._pending.event
-        handle.wait()
-        return nccl_comm.stream_mode, event, t
-
-    mode, event, t = _nccl_ranks(host_nccl, 1, body)[0]
-    assert mode == "side"
-    assert event.stream is side  # the collective ran on the side stream...
-    assert side.waited_streams and side.waited_streams[0] is DEFAULT  # ...after the current stream's work
-    assert recorded and recorded[0][0] is t and recorded[0][1] is side  # its memory is kept for the side stream
-    assert DEFAULT.waited[-1] is event  # and the current stream waits for it on wait()

@@ -172,6 +172,8 @@ class Engine:
         if not comms:
             raise ValueError("an engine needs at least one communicator")
         self.comms = dict(comms)
+        for comm in self.comms.values():
+            comm.on_timeout = self._stalled  # a communicator that watches its own deadlines (nccl)
         self.primary = next(iter(self.comms.values()))
         self.rank = self.primary.rank
         self.size = self.primary.size
@@ -233,7 +235,9 @@ class Engine:
         if self._closed:
             raise CollectiveError("the process group was destroyed; call init_process_group() again")
         if self._broken is not None:
-            raise CollectiveError(
+            # A timeout noticed after the call that stalled (nccl's watchdog) is raised as one.
+            kind = CollectiveTimeout if isinstance(self._broken, CollectiveTimeout) else CollectiveError
+            raise kind(
                 f"the job is broken after an earlier failure and cannot run more collectives: "
                 f"{self._broken}"
             ) from self._broken

@@ -1,0 +1,364 @@
+"""CuPy's NCCL on host memory, for running :class:`smddp.comm.nccl.NCCLCommunicator` without a GPU.
+
+CuPy's NCCL calls take raw device pointers and a stream handle. :class:`HostNccl` performs
+them on host memory; ranks are threads of one process that meet per operation. CUDA streams
+are :class:`HostStream`: *inline* ones run work in the calling thread as it is enqueued
+(a collective then blocks the host until every rank arrived, as NCCL's first call with a
+peer can); *deferred* ones run it, in order, on a worker thread, like a GPU, and
+:class:`HostEvent` completes when that worker reaches it. ``abort()`` ends this rank's
+wait for its peers at once, as ``ncclCommAbort`` does; a wait for a peer that never comes
+ends after :data:`STUCK` seconds with an error, so a broken test cannot hang.
+
+Install it with :func:`install` (a pytest ``monkeypatch``): tensors stay on the CPU and
+the communicator's own code (pointer and offset arithmetic, dtype and op codes, grouping,
+stream ordering, deadlines, abort, teardown) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import queue
+import sys
+import threading
+import types
+from typing import Dict, List, Optional
+
+import torch
+
+#: ``ncclDataType_t`` (nccl.h) by CuPy's constant name.
+NCCL_H = {"NCCL_INT8": torch.int8, "NCCL_UINT8": torch.uint8, "NCCL_INT32": torch.int32,
+          "NCCL_INT64": torch.int64, "NCCL_FLOAT16": torch.float16, "NCCL_FLOAT32": torch.float32,
+          "NCCL_FLOAT64": torch.float64, "NCCL_BFLOAT16": torch.bfloat16}
+CODES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4, "NCCL_FLOAT16": 6,
+         "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9}
+_DTYPES = {CODES[name]: dtype for name, dtype in NCCL_H.items()}
+
+#: Seconds a rank waits for a peer (or an event) before the stand-in gives up with an error.
+STUCK = 60.0
+
+
+def host_view(ptr: int, count: int, code: int) -> torch.Tensor:
+    """The ``count`` elements of NCCL type ``code`` at address ``ptr``, as a tensor (no copy)."""
+    dtype = _DTYPES[code]
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    if not nbytes:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
+
+
+def reduce(values: List[torch.Tensor], op: int) -> torch.Tensor:
+    """NCCL's reduction ``op`` of ``values``, computed wide and rounded once to their dtype."""
+    stack = torch.stack(values)
+    wide = stack.double() if stack.is_floating_point() else stack.long()
+    if op == 0:
+        out = wide.sum(0)
+    elif op == 1:
+        out = wide.prod(0)
+    elif op == 2:
+        out = wide.max(0).values
+    elif op == 3:
+        out = wide.min(0).values
+    elif stack.is_floating_point():
+        out = wide.sum(0) / len(values)
+    else:
+        out = torch.div(wide.sum(0), len(values), rounding_mode="trunc")
+    return out.to(stack.dtype)
+
+
+class HostEvent:
+    """A CUDA event: complete once the stream it was recorded on has reached it."""
+
+    def __init__(self, **kwargs):
+        self._done = threading.Event()
+        self._done.set()  # never recorded: complete, as in CUDA
+
+    def record(self, stream=None) -> None:
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        done = self._done = threading.Event()
+        stream.enqueue(done.set)
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        if not self._done.wait(STUCK):
+            raise RuntimeError(f"stand-in: an event did not complete within {STUCK:g} s")
+
+    synchronize = wait
+
+
+class HostStream:
+    """A CUDA stream on the host (see the module docstring for *inline* and *deferred*)."""
+
+    _handles = itertools.count(100)
+
+    def __init__(self, fake: HostNccl, deferred: bool = False):
+        self.cuda_stream = next(self._handles)
+        self.device = torch.device("cpu")
+        self.deferred = deferred
+        self.errors: List[BaseException] = []  # what its work raised (a CUDA error)
+        fake.streams[self.cuda_stream] = self
+        if deferred:
+            self._queue: queue.Queue = queue.Queue()
+            self._worker = threading.Thread(target=self._run, name=f"stream-{self.cuda_stream}", daemon=True)
+            self._worker.start()
+
+    def enqueue(self, work) -> None:
+        if not self.deferred:
+            work()
+        else:
+            self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - kept, as a CUDA error would be
+                self.errors.append(exc)
+
+    def wait_event(self, event: HostEvent) -> None:
+        self.enqueue(event.wait)
+
+    def wait_stream(self, other: HostStream) -> None:
+        event = HostEvent()
+        event.record(other)
+        self.wait_event(event)
+
+    def synchronize(self) -> None:
+        event = HostEvent()
+        event.record(self)
+        event.wait()
+
+    def close(self) -> None:
+        if self.deferred:
+            self._queue.put(None)
+            self._worker.join(STUCK)
+
+
+class _World:
+    """The ranks of one unique id: their contributions per operation, and their mail."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.cv = threading.Condition()
+        self.rounds: Dict[int, Dict[int, object]] = {}
+        self.aborted: set = set()  # ranks whose communicator was aborted
+        self.mail: Dict[tuple, torch.Tensor] = {}
+
+
+class HostNccl(types.ModuleType):
+    """``cupy.cuda.nccl`` on host memory.
+
+    Attributes:
+        version: what ``get_version()`` returns.
+        comms: every communicator made, in order.
+        op_codes: the reduction code of every ``allReduce`` and ``reduceScatter`` call.
+        streams: stream handle to :class:`HostStream`.
+    """
+
+    def __init__(self, version: int = 22703):
+        super().__init__("cupy.cuda.nccl")
+        self.available, self.version = True, version
+        for name, code in CODES.items():
+            setattr(self, name, code)
+        self.NCCL_SUM, self.NCCL_PROD, self.NCCL_MAX, self.NCCL_MIN, self.NCCL_AVG = 0, 1, 2, 3, 4
+        self.worlds: Dict[bytes, _World] = {}
+        self.lock, self.local = threading.Lock(), threading.local()
+        self.comms: List[HostCommunicator] = []
+        self.op_codes: List[int] = []
+        self.streams: Dict[int, HostStream] = {}
+        self.NcclCommunicator = lambda ndev, uid, rank: HostCommunicator(self, ndev, uid, rank)
+
+    def get_unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def get_version(self) -> int:
+        return self.version
+
+    def groupStart(self) -> None:  # noqa: N802 - CuPy's names
+        self.local.group = []
+
+    def groupEnd(self) -> None:  # noqa: N802
+        calls, self.local.group = self.local.group, None
+        if calls:
+            owner, handle = calls[0][0], calls[0][-1]
+            self.streams[handle].enqueue(lambda: owner.run_group(calls))
+
+
+class HostCommunicator:
+    """``cupy.cuda.nccl.NcclCommunicator`` over a :class:`_World` of threads."""
+
+    def __init__(self, fake: HostNccl, ndev: int, uid, rank: int):
+        assert isinstance(uid, bytes) and len(uid) == 128
+        with fake.lock:
+            self.world = fake.worlds.setdefault(uid, _World(ndev))
+        self.fake, self.rank = fake, rank
+        self.error: Optional[str] = None  # set by a test: what check_async_error() raises
+        self.destroyed = self.aborted = False
+        self.started_after_abort = False  # the current operation began after a peer aborted
+        self._rounds = itertools.count()
+        self._sent: Dict[int, itertools.count] = {}
+        self._received: Dict[int, itertools.count] = {}
+        fake.comms.append(self)
+
+    def _await(self, ready) -> None:
+        """Wait (under the world's lock) until ``ready()``, or fail as an aborted NCCL call does.
+
+        A peer that aborted never arrives: NCCL reports that as an asynchronous error.
+        """
+        w = self.world
+        if not w.cv.wait_for(lambda: self.aborted or w.aborted or ready(), STUCK):
+            raise RuntimeError(f"stand-in: rank {self.rank} waited {STUCK:g} s for its peers")
+        if ready() and not self.started_after_abort:
+            return
+        if self.aborted:
+            raise RuntimeError(f"NCCL communicator of rank {self.rank} was aborted")
+        self.error = f"the NCCL communicator of rank {min(w.aborted)} was aborted"
+        raise RuntimeError(self.error)
+
+    def _exchange(self, value) -> list:
+        """Every rank's ``value`` for this rank's next collective, in rank order."""
+        w, n = self.world, next(self._rounds)
+        with w.cv:
+            self.started_after_abort = bool(w.aborted)
+            slot = w.rounds.setdefault(n, {})
+            slot[self.rank] = value
+            w.cv.notify_all()
+            self._await(lambda: len(slot) == w.size)
+            return [slot[r] for r in range(w.size)]
+
+    def _enqueue(self, stream: int, work) -> None:
+        self.fake.streams[stream].enqueue(work)
+
+    def allReduce(self, send, recv, count, code, op, stream):  # noqa: N802 - CuPy's names
+        self.fake.op_codes.append(op)
+
+        def work():
+            values = self._exchange(host_view(send, count, code).clone())
+            host_view(recv, count, code).copy_(reduce(values, op))
+
+        self._enqueue(stream, work)
+
+    def reduceScatter(self, send, recv, count, code, op, stream):  # noqa: N802
+        self.fake.op_codes.append(op)
+
+        def work():
+            values = self._exchange(host_view(send, count * self.world.size, code).clone())
+            mine = [v[self.rank * count:(self.rank + 1) * count] for v in values]
+            host_view(recv, count, code).copy_(reduce(mine, op))
+
+        self._enqueue(stream, work)
+
+    def broadcast(self, send, recv, count, code, root, stream):
+        def work():
+            values = self._exchange(host_view(send, count, code).clone())
+            host_view(recv, count, code).copy_(values[root])
+
+        self._enqueue(stream, work)
+
+    def allGather(self, send, recv, count, code, stream):  # noqa: N802
+        def work():
+            values = self._exchange(host_view(send, count, code).clone())
+            host_view(recv, count * self.world.size, code).copy_(torch.cat(values))
+
+        self._enqueue(stream, work)
+
+    def send(self, ptr, count, code, peer, stream):
+        self.fake.local.group.append((self, "send", ptr, count, code, peer, stream))
+
+    def recv(self, ptr, count, code, peer, stream):
+        self.fake.local.group.append((self, "recv", ptr, count, code, peer, stream))
+
+    def run_group(self, calls) -> None:
+        """A ``groupStart()``..``groupEnd()`` of sends and receives: post every send, then receive."""
+        w = self.world
+        with w.cv:
+            self.started_after_abort = bool(w.aborted)
+            for _, kind, ptr, count, code, peer, _ in calls:
+                if kind == "send":
+                    k = next(self._sent.setdefault(peer, itertools.count()))
+                    w.mail[(self.rank, peer, k)] = host_view(ptr, count, code).clone()
+            w.cv.notify_all()
+            for _, kind, ptr, count, code, peer, _ in calls:
+                if kind == "recv":
+                    key = (peer, self.rank, next(self._received.setdefault(peer, itertools.count())))
+                    self._await(lambda key=key: key in w.mail)
+                    host_view(ptr, count, code).copy_(w.mail.pop(key))
+
+    def check_async_error(self):
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def destroy(self):
+        self.destroyed = True
+
+    def abort(self):
+        with self.world.cv:
+            self.aborted = True
+            self.world.aborted.add(self.rank)
+            self.world.cv.notify_all()
+
+
+def install(monkeypatch, deferred: bool = False) -> HostNccl:
+    """Put :class:`HostNccl` in CuPy's place and host streams in torch.cuda's; tensors stay on the CPU.
+
+    Args:
+        monkeypatch: pytest's fixture (everything is undone after the test).
+        deferred: streams (the default stream of every thread, and new ones) run work on
+            worker threads instead of inline.
+
+    Returns:
+        The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
+    """
+    import smddp.comm.nccl as nccl_module
+    import smddp.comm.nccl_uid as uid_module
+    import smddp.comm.stall as stall_module
+
+    fake = HostNccl()
+    runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl, cuda.runtime = fake, runtime
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", fake)):
+        monkeypatch.setitem(sys.modules, name, module)
+    current = threading.local()
+
+    def current_stream(device=None) -> HostStream:
+        if not hasattr(current, "stream"):
+            current.stream = HostStream(fake, deferred)  # each thread's default stream
+        return current.stream
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: HostStream(fake, deferred))
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    # Host code inside `with torch.cuda.stream(s)` runs at once: the tests that use deferred
+    # streams avoid it (no AVERAGE before NCCL 2.10, no all_to_all_single to oneself).
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(nccl_module, "pick_device", lambda ctx, kind: torch.device("cpu"))
+    # Each thread is a process here: per-process counts become per-thread.
+    monkeypatch.setattr(uid_module, "_generation", PerThreadCount())
+    monkeypatch.setattr(stall_module, "_engines", PerThreadCount())
+    fake.current, fake.runtime = current, runtime
+    return fake
+
+
+class PerThreadCount:
+    """``itertools.count()`` per thread: the per-process count of a rank that is a thread."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    def __next__(self) -> int:
+        value = getattr(self.local, "value", 0)
+        self.local.value = value + 1
+        return value
