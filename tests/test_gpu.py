@@ -154,6 +154,26 @@ def test_every_gpu_of_the_machine(tmp_path):
     _run("streams", "nccl", tmp_path, "mpirun", np=_gpus())
 
 
+def test_nccl_deadline_does_not_fire_on_operations_that_complete(tmp_path):
+    """Operations that finish (one behind a 0.5 s kernel) do not expire, even long after their deadline."""
+    _cupy_or_skip()
+    result = _run("deadlines", "nccl", tmp_path, env={"SMDDP_TIMEOUT": "2"})
+    assert "CHECK 0 deadlines/not_expired" in result.stdout and "CHECK 0 deadlines/closed" in result.stdout
+
+
+def test_nccl_deadline_aborts_a_stalled_stream(tmp_path):
+    """A collective queued behind a 6 s kernel misses its 1 s deadline: the watchdog aborts NCCL
+    while the host does not wait, the next call raises CollectiveTimeout, teardown returns, and
+    the broken job exits non-zero (as every backend's broken job does)."""
+    from launchers import python
+
+    _cupy_or_skip()
+    result = python([str(HERE), "stall", "nccl"], timeout=120, env={"SMDDP_TIMEOUT": "1"})
+    assert result.returncode != 0, result.output
+    for check in ("stall/host_did_not_wait", "stall/expired", "stall/next_call_raises", "stall/destroyed"):
+        assert f"CHECK 0 {check}" in result.stdout, result.output
+
+
 def test_nccl_explicit_request_without_cupy_names_the_extra(tmp_path):
     """With CuPy hidden, backend='nccl' fails naming the extra; auto falls back to torch-nccl."""
     result = _run("no_cupy", "nccl", tmp_path)
@@ -397,6 +417,54 @@ class Worker:
         end.record()
         end.synchronize()
         return int(probe * seconds * 1000 / max(start.elapsed_time(end), 1e-3))
+
+    # ------------------------------------------------------------------ deadlines
+    def _nccl_comm(self):
+        from smddp.torch import process_group
+
+        return process_group.current().engine.comms["cuda"]
+
+    def run_deadlines(self) -> None:
+        dist = self.start()
+        comm = self._nccl_comm()
+        t = torch.full((1000,), float(self.rank + 1), device=self.device)
+        torch.cuda._sleep(self._cycles_for(0.5))
+        dist.all_reduce(t)
+        assert comm._watch.drain(), "an operation that completes was reported expired"
+        time.sleep(3)  # past the 2 s deadline of that all_reduce
+        dist.all_reduce(t)
+        dist.barrier()
+        self.close(t, torch.full((1000,), float(sum(range(1, self.size + 1)) * self.size)), "all_reduce")
+        assert not comm._watch.expired and comm._comm is not None
+        self.passed("deadlines/not_expired")
+        dist.destroy_process_group()
+        assert comm._comm is None and not comm._watch.expired
+        self.passed("deadlines/closed")
+        self.finish()
+
+    def run_stall(self) -> None:
+        import smddp
+
+        dist = self.start()
+        comm = self._nccl_comm()
+        t = torch.ones(1000, device=self.device)
+        torch.cuda._sleep(self._cycles_for(6.0))
+        dist.all_reduce(t)  # queued behind the 6 s kernel
+        assert not comm._watch.expired, "the host waited for the GPU (past the deadline)"
+        self.passed("stall/host_did_not_wait")
+        assert not comm._watch.drain() and comm._watch.expired, "the watchdog did not expire the all_reduce"
+        assert comm._comm is None, "the NCCL communicator was not aborted"
+        self.passed("stall/expired")
+        try:
+            dist.all_reduce(t)
+        except smddp.CollectiveTimeout as exc:
+            assert "did not complete within 1 s" in str(exc), exc
+        else:
+            raise AssertionError("the call after a timeout did not raise CollectiveTimeout")
+        self.passed("stall/next_call_raises")
+        dist.destroy_process_group()
+        self.passed("stall/destroyed")
+        print(f"PASSED {self.rank} {self.count}", flush=True)
 
     # ------------------------------------------------------------------ training
     def _model(self, seed: int = 0):
