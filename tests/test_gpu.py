@@ -407,6 +407,19 @@ class Worker:
         value = fut.wait()[0]
         self.close(value, torch.full((n,), float(sum(range(1, self.size + 1)))), "future value")
         self.passed("streams/future")
+
+        # 4. the future is CUDA-aware: waited on from another stream, that stream waits for the collective
+        t = torch.zeros(n, device=self.device)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+            t.fill_(float(self.rank + 1))
+            fut = tdist.all_reduce(t, async_op=True).get_future()
+        with torch.cuda.stream(other):
+            seen = fut.wait()[0].clone()
+        torch.cuda.synchronize()
+        self.close(seen, torch.full((n,), float(sum(range(1, self.size + 1)))), "future waited from another stream")
+        self.passed("streams/future_other_stream")
         self.finish()
 
     def _cycles_for(self, seconds: float) -> int:

@@ -87,6 +87,15 @@ class Pending(abc.ABC):
         """Called on every wait once the operation completed: a stream-ordered operation makes
         the caller's current stream wait for it (the caller may wait from another stream)."""
 
+    def queue_after(self, action) -> bool:
+        """Queue ``action`` (torch ops on the operation's tensors) right after the operation.
+
+        Returns:
+            True if queued: a stream-ordered operation runs it on its stream now, and every
+            later wait sees its effects. False (the default): the caller runs it on completion.
+        """
+        return False
+
     # A subclass may also define ``block(seconds)``: sleep until the operation completes or
     # ``seconds`` pass, without polling. The engine then sleeps on it instead of spinning.
 
@@ -102,14 +111,20 @@ DONE = Done()
 
 
 class Then(Pending):
-    """``pending``, then ``action()`` once, on completion (copy back, divide, cast)."""
+    """``pending``, then ``action()`` once (copy back, divide, cast).
+
+    A stream-ordered operation queues ``action`` on its stream at once, right after itself
+    (:meth:`Pending.queue_after`); any other runs it on the host once it completes.
+    """
 
     def __init__(self, pending: Pending, action):
-        self._pending, self._action, self._done = pending, action, False
+        self._pending, self._done = pending, False
+        self._action = None if pending.queue_after(action) else action
 
     def test(self) -> bool:
         if not self._done and self._pending.test():
-            self._action()
+            if self._action is not None:
+                self._action()
             self._done = True
         return self._done
 
@@ -118,6 +133,9 @@ class Then(Pending):
 
     def waited(self) -> None:
         self._pending.waited()
+
+    def queue_after(self, action) -> bool:
+        return self._action is None and self._pending.queue_after(action)
 
 
 @dataclass

@@ -63,17 +63,12 @@ class Holding(Pending):
     def waited(self) -> None:
         self._pending.waited()
 
+    def queue_after(self, action) -> bool:
+        return self._pending.queue_after(action)
+
 
 def _then(pending: Pending, action: Callable[[], object]) -> Pending:
-    """``action()`` once ``pending`` completes.
-
-    A stream-ordered collective (NCCL) is complete for every kernel queued after it on the
-    caller's stream: the action is queued there at once, so whatever the caller orders after
-    the call (FSDP records an event) also follows the action.
-    """
-    if pending.stream_aware():
-        action()
-        return pending
+    """``action()`` once ``pending`` completes; on a stream-ordered operation's stream, at once."""
     return Then(pending, action)
 
 

@@ -122,6 +122,16 @@ class Handle:
         self._pending.waited()
         return True
 
+    def order_current_stream(self) -> None:
+        """Make the calling thread's current CUDA stream wait for a stream-ordered operation.
+
+        Nothing for an operation that completes on the host. The host does not wait.
+
+        Raises:
+            CollectiveError: the operation's communicator has failed.
+        """
+        self._pending.waited()
+
     def exception(self) -> Optional[BaseException]:
         """The error the operation ended with, if any."""
         return self._error
@@ -444,6 +454,7 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
             raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+        pending.waited()  # a stream-ordered operation orders the caller's stream
 
     @staticmethod
     def _inplace(tensor: torch.Tensor):

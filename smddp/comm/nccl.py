@@ -133,8 +133,9 @@ class StreamOrdered(Pending):
         self._owner, self._stream, self.event = owner, stream, event
 
     def test(self) -> bool:
+        # No stream is ordered here: the engine's progress thread tests too, and ordering its
+        # stream would serialise the caller's work behind the collective. Waits order.
         self._owner.check()
-        self.order_current_stream()
         return True
 
     def stream_aware(self) -> bool:
@@ -143,6 +144,12 @@ class StreamOrdered(Pending):
     def waited(self) -> None:
         self._owner.check()
         self.order_current_stream()
+
+    def queue_after(self, action) -> bool:
+        with torch.cuda.stream(self._stream):
+            action()
+        self.event.record(self._stream)  # waits (and the watchdog) now cover the action too
+        return True
 
     def order_current_stream(self) -> None:
         """Make the caller's current stream wait for the operation, if it ran on another one.

@@ -82,10 +82,24 @@ class Work(_compat.WorkBase):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            future = torch.futures.Future()
+            # CUDA tensors (nccl, torch-nccl): a CUDA-aware future, as torch's NCCL Work gives.
+            # It completes when the operation is enqueued, with an event recorded after it, so
+            # its value is ready for every kernel queued after wait() or in then() callbacks.
+            devices = sorted({t.device for t in self._result if t.is_cuda}, key=str)
+            future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
             def complete(handle: Handle) -> None:
                 error = handle.exception()
+                if error is None and devices:
+                    try:
+                        # A pool stream, not the completing thread's current one: that may be
+                        # the caller's own, which must not wait for the collective.
+                        with torch.cuda.stream(torch.cuda.Stream(devices[0])):
+                            handle.order_current_stream()
+                            future.set_result(self._result)
+                        return
+                    except Exception as exc:  # noqa: BLE001 - the communicator failed since
+                        error = exc
                 future.set_result(self._result if error is None else _Failed(error))
 
             # Future.set_exception() completes the future with the exception *as its value*,
