@@ -142,7 +142,7 @@ class StreamOrdered(Pending):
         return True
 
     def waited(self) -> None:
-        self._owner.check()
+        self._owner._live()  # raises the communicator's failure, if any
         self.order_current_stream()
 
     def queue_after(self, action) -> bool:

@@ -81,7 +81,8 @@ class Watchdog:
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            elif len(self._inflight) == 1:
+                self._cv.notify_all()  # the thread sleeps until there is something to watch
         return watched
 
     def drain(self) -> bool:
