@@ -1,0 +1,106 @@
+"""Argument checks every backend would make, done before anything is sent.
+
+:class:`Checks` is the part of :class:`~smddp.comm.engine.Engine` that picks the
+communicator for a call's tensors (device and dtype), checks ranks, per-rank lists and
+split sizes, and gives each collective a contiguous buffer: an argument error raises on
+the calling rank before any rank communicates, as torch's process groups do.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from smddp.comm.base import Communicator
+from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
+
+
+class Checks:
+    """Argument checks of an engine; :class:`~smddp.comm.engine.Engine` inherits them."""
+
+    size: int
+    comms: Dict[str, Communicator]
+    backend: str
+    _cpu_comm: Optional[Communicator]
+
+    def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+            # The hot path (one tensor): a few attribute reads.
+            tensor = tensors[0]
+            comm = self._cpu_comm if tensor.is_cpu else self.comms.get(tensor.device.type)
+            if comm is not None and tensors[0].dtype in comm.dtypes:
+                return comm
+        device = tensors[0].device
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+            if t.device != device:
+                raise InvalidArgumentError(f"tensors are on different devices: {device} and {t.device}")
+        comm = self.comms.get(device.type)
+        if comm is None:
+            raise BackendUnavailableError(
+                f"the {self.backend!r} backend does not serve {device.type} tensors "
+                f"(this job serves: {', '.join(sorted(self.comms))})"
+            )
+        dtype = tensors[0].dtype
+        for t in tensors:
+            if t.dtype != dtype:
+                raise InvalidTypeError(f"tensors have different dtypes: {dtype} and {t.dtype}")
+        if dtype not in comm.dtypes:
+            names = ", ".join(sorted(str(d).replace("torch.", "") for d in comm.dtypes))
+            raise InvalidTypeError(f"dtype {dtype} is not supported by the {comm.name} backend; use one of: {names}")
+        return comm
+
+
+    @staticmethod
+    def _inplace(tensor: torch.Tensor):
+        """A contiguous buffer for ``tensor`` and what to do once the operation is done."""
+        if tensor.is_contiguous():
+            # Communicators also finish with torch in-place ops (AVERAGE's divide, the copy
+            # back from a bfloat16 upcast), which autograd refuses on a leaf that requires grad.
+            return (tensor.detach() if tensor.requires_grad else tensor), None
+        target = tensor.detach()
+        buf = target.contiguous()
+        return buf, lambda: target.copy_(buf)
+
+    def _check_per_rank(
+        self, tensors: Sequence[torch.Tensor], reference: torch.Tensor, op: str, what: str, other: str
+    ) -> None:
+        """``tensors`` holds one tensor per rank, each with ``reference``'s number of elements."""
+        if len(tensors) != self.size:
+            raise InvalidArgumentError(f"{op}: {what} has {len(tensors)} tensors; it needs one per rank ({self.size})")
+        for i, t in enumerate(tensors):
+            if t.numel() != reference.numel():
+                raise InvalidArgumentError(
+                    f"{op}: {what}[{i}] has shape {tuple(t.shape)}, the {other} has shape "
+                    f"{tuple(reference.shape)}: they must have the same number of elements"
+                )
+
+    def _check_rank(self, rank, what: str) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise InvalidTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
+        if not 0 <= rank < self.size:
+            raise InvalidArgumentError(f"{what}={rank} is not a rank of this job (0..{self.size - 1})")
+
+    def _split_counts(self, tensor: torch.Tensor, splits: Optional[Sequence[int]], what: str) -> List[int]:
+        rows = tensor.shape[0] if tensor.dim() > 0 else 1
+        row_numel = tensor.numel() // rows if rows else 0
+        if splits is None or len(splits) == 0:
+            if rows % self.size:
+                raise InvalidArgumentError(
+                    f"all_to_all_single: {what} has {rows} rows along dim 0, not divisible by the "
+                    f"world size {self.size}; pass {what}_split_sizes"
+                )
+            return [rows // self.size * row_numel] * self.size
+        splits = list(splits)
+        if len(splits) != self.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in splits):
+            raise InvalidArgumentError(
+                f"all_to_all_single: {what}_split_sizes must be {self.size} non-negative ints, got {splits}"
+            )
+        if sum(splits) != rows:
+            raise InvalidArgumentError(
+                f"all_to_all_single: {what}_split_sizes {splits} add up to {sum(splits)}, but {what} has "
+                f"{rows} rows along dim 0"
+            )
+        return [s * row_numel for s in splits]

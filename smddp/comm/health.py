@@ -1,0 +1,200 @@
+"""The engine's health: broken or usable, what its errors say, where every rank is.
+
+:class:`Health` is the part of :class:`~smddp.comm.engine.Engine` that decides and
+reports failure:
+
+- a job is broken by its first failure (a timeout, a library error, an interrupt) and
+  every later collective fails at once (:meth:`Health._check_usable`);
+- errors name the collective, its sequence number and this rank (its global rank in a
+  subgroup), and, through :mod:`smddp.comm.stall`, where the other ranks are;
+- at exit (:mod:`smddp._excepthook`) a broken job ends every rank, and a healthy one leaves
+  a note for the ranks that may still wait for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, List, Optional, Sequence
+
+from smddp import _excepthook
+from smddp.comm import stall as _stall
+from smddp.errors import CollectiveError, CollectiveTimeout
+
+if TYPE_CHECKING:
+    from smddp.comm.handle import Handle
+
+
+class Health:
+    """Failure state and reports of an engine; :class:`~smddp.comm.engine.Engine` inherits it."""
+
+    rank: int
+    size: int
+    timeout: float
+    seq: int
+    _closed: bool
+
+    def _init_health(self, store) -> None:
+        """Start healthy; with ``store`` (the job's torch Store), answer other ranks' questions."""
+        self._broken: Optional[BaseException] = None
+        # What this rank is doing, for the ranks that time out waiting for it.
+        self._last_op = ""  # the name of collective number self.seq
+        self._last_start = 0.0  # time.monotonic() when the latest synchronous one started
+        self._done_seq = 0  # the latest synchronous collective that completed
+        self._last_handle: Optional[Handle] = None  # the latest asynchronous one
+        self._end_note: Optional[dict] = None  # set when the script ends
+        self._statuses: Optional[dict] = None  # the other ranks' answers, asked once
+        self._report_lock = threading.Lock()
+        self._channel: Optional[_stall.StoreChannel] = None
+        if self.size > 1:
+            self._channel = self._open_channel(store)
+            _excepthook.watch(self)
+
+    #: For a subgroup: its name and its members' global ranks (group rank i is global_ranks[i]).
+    group_name: str = ""
+    global_ranks: Optional[List[int]] = None
+
+    def describe_group(self, name: str, global_ranks: Sequence[int]) -> None:
+        """Make this a subgroup's engine: errors name global ranks and the group ``name``."""
+        self.group_name, self.global_ranks = name, list(global_ranks)
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this group's ``rank``."""
+        return rank if self.global_ranks is None else self.global_ranks[rank]
+
+    def _who(self) -> str:
+        if self.global_ranks is None:
+            return f"rank {self.rank} of {self.size}"
+        return (f"rank {self.global_rank(self.rank)} (rank {self.rank} of the {self.size} in process group "
+                f"{self.group_name!r}, global ranks {_stall.ranks_text(self.global_ranks)})")
+
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CollectiveError("the process group was destroyed; call init_process_group() again")
+        if self._broken is not None:
+            # A timeout noticed after the call that stalled (nccl's watchdog) is raised as one.
+            kind = CollectiveTimeout if isinstance(self._broken, CollectiveTimeout) else CollectiveError
+            raise kind(
+                f"the job is broken after an earlier failure and cannot run more collectives: "
+                f"{self._broken}"
+            ) from self._broken
+
+    def _fail(self, exc: BaseException, handle: Handle) -> BaseException:
+        """``exc`` as the CollectiveError that ``handle`` ends with; the job is broken by it."""
+        if not isinstance(exc, CollectiveError):
+            # A peer that died or left shows here first (gloo: "connection closed"): say where the others are.
+            report = self._stall_report(handle.seq, handle.op_name, stalled=False) if self._broken is None else ""
+            wrapped = CollectiveError(
+                f"{handle.op_name} (sequence number {handle.seq}) failed on {self._who()}: {exc}{report}"
+            )
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if self._broken is None:
+            self._broken = exc
+        return exc
+
+    def _timeout(self, seq: int, op_name: str) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on "
+            f"{self._who()}.{self._stall_report(seq, op_name)} "
+            f"The job is now broken: further collectives fail at once (the timeout is set by "
+            f"SMDDP_TIMEOUT or init_process_group(timeout=...))."
+        )
+
+    def _stalled(self, seq: int, op_name: str) -> CollectiveTimeout:
+        """The timeout error for ``seq``, the job marked broken by it."""
+        error = self._timeout(seq, op_name)
+        if self._broken is None:
+            self._broken = error
+        return error
+
+    def _interrupted(self, seq: int, op_name: str) -> None:
+        if self._broken is None:
+            self._broken = CollectiveError(
+                f"{op_name} (sequence number {seq}) was interrupted on rank {self.rank}; the ranks are "
+                f"no longer in step"
+            )
+
+    def _close_health(self) -> None:
+        """The engine is closing: tell the other ranks, stop answering them."""
+        if self._channel is not None:
+            if self._broken is None:
+                self._end_note = {"state": "closed"}
+                try:
+                    self._channel.note_end(self.status())
+                except Exception:  # noqa: BLE001 - the store may already be gone
+                    pass
+            self._channel.close()
+        if self._broken is None:
+            _excepthook.forget(self)  # a broken engine still ends the job at exit
+
+    # ------------------------------------------------------------------ where every rank is
+    def _open_channel(self, store) -> Optional[_stall.StoreChannel]:
+        if store is None:
+            return None
+        try:
+            channel = _stall.StoreChannel(store, self.rank, self.size)
+            channel.serve(self.status)
+        except Exception as exc:  # noqa: BLE001 - a store without clone() or queues
+            print(f"smddp: rank {self.rank}: timeouts will not name the stalled ranks: {exc}", file=sys.stderr)
+            return None
+        return channel
+
+    def status(self) -> _stall.Status:
+        """Where this rank is: its latest collective, whether it finished, how long ago it started."""
+        seq, op_name, handle = self.seq, self._last_op, self._last_handle
+        if handle is not None and handle.seq == seq:
+            done, started = handle._done, handle.deadline - self.timeout
+        else:
+            done, started = self._done_seq >= seq, self._last_start
+        state = "broken" if self._broken is not None else "running"
+        found = {"rank": self.rank, "seq": seq, "op": op_name, "done": bool(done), "state": state,
+                 "age": round(time.monotonic() - started, 3) if seq else 0.0}
+        if self._end_note is not None:
+            found.update(self._end_note)
+        return found
+
+    def _stall_report(self, seq: int, op_name: str, stalled: bool = True) -> str:
+        if self._channel is None:
+            return ""
+        with self._report_lock:
+            if self._statuses is None:
+                try:
+                    self._statuses = self._channel.query()
+                except Exception as exc:  # noqa: BLE001 - the report is best effort
+                    return f" (could not ask the other ranks where they are: {exc})"
+        statuses = {self.global_rank(rank): st for rank, st in self._statuses.items()}
+        text = _stall.describe(statuses, seq, op_name, stalled)
+        return " " + text if text else ""
+
+    def at_exit(self, failure: Optional[str] = None) -> None:
+        """The interpreter is exiting (called by :mod:`smddp._excepthook`).
+
+        A broken job ends at once (under MPI, every rank). Otherwise this rank leaves a note
+        for ranks that may still wait for it and, under MPI, waits (answering their
+        questions) until every rank has ended, as ``MPI_Finalize`` would.
+
+        Args:
+            failure: the uncaught exception that ends the script, if any.
+        """
+        if self._broken is not None:
+            print(f"smddp: rank {self.rank} is exiting with the job broken ({type(self._broken).__name__}); "
+                  f"ending the job now rather than waiting for a collective that will never complete",
+                  file=sys.stderr)
+            _excepthook.abort_job(1)
+        if self._closed or self._channel is None:
+            return
+        self._end_note = {"state": "failed", "error": failure} if failure else {"state": "exiting"}
+        try:
+            self._channel.note_end(self.status())
+            # Long enough for a rank still in a collective to time out and ask this one.
+            wait = self.timeout + 2 * _stall.ANSWER_WAIT + 5
+            if _excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(wait):
+                print(f"smddp: rank {self.rank}: other ranks have not reached the end of their script within "
+                      f"{wait:g} s", file=sys.stderr)
+        finally:
+            # Stop the responder now: a thread that wakes up during interpreter shutdown
+            # (when rank 0's store goes away) aborts the process.
+            self._channel.close()
