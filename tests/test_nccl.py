@@ -310,6 +310,7 @@ def test_a_stalled_gpu_is_noticed_without_the_host_waiting(monkeypatch):
             handle._pending.synchronize()  # blocks the host, until the deadline at most
         with pytest.raises(CollectiveTimeout):
             handle.wait()  # the next wait raises it too
+        assert not nccl_comm._watch.drain()  # returns once the watchdog has acted
         others_done.wait()
         return str(err.value), nccl_comm._comm is None
 

@@ -63,6 +63,7 @@ class Watchdog:
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        self._expiring = False  # expire() is running: drain() waits for its abort to finish
         self.expired = False
 
     def start(self, seq: int, op_name: str) -> Watched:
@@ -86,13 +87,13 @@ class Watchdog:
         return watched
 
     def drain(self) -> bool:
-        """Wait until every watched operation has completed or the watchdog gave up.
+        """Wait until every watched operation has completed or the watchdog gave up (and acted).
 
         Returns:
             True if they all completed (each within its deadline).
         """
         with self._cv:
-            while self._inflight and not self._stopped:
+            while (self._inflight and not self._stopped) or self._expiring:
                 self._cv.wait(POLL)
             return not self._inflight and not self.expired
 
@@ -122,11 +123,12 @@ class Watchdog:
                     if self._inflight:
                         self._cv.wait(POLL)
                     continue
-                self.expired = self._stopped = True
+                self.expired = self._stopped = self._expiring = True
             try:
                 self._expire(failed, error)
             finally:
                 with self._cv:
+                    self._expiring = False
                     self._inflight.clear()
                     self._cv.notify_all()
             return
