@@ -6,8 +6,10 @@ are :class:`HostStream`: *inline* ones run work in the calling thread as it is e
 (a collective then blocks the host until every rank arrived, as NCCL's first call with a
 peer can); *deferred* ones run it, in order, on a worker thread, like a GPU, and
 :class:`HostEvent` completes when that worker reaches it. ``abort()`` ends this rank's
-wait for its peers at once, as ``ncclCommAbort`` does; a wait for a peer that never comes
-ends after :data:`STUCK` seconds with an error, so a broken test cannot hang.
+wait for its peers at once, as ``ncclCommAbort`` does, and its peers' later operations fail
+with an asynchronous error (``check_async_error()``), as NCCL reports a peer that went away;
+a wait for a peer that never comes ends after :data:`STUCK` seconds with an error, so a
+broken test cannot hang.
 
 Install it with :func:`install` (a pytest ``monkeypatch``): tensors stay on the CPU and
 the communicator's own code (pointer and offset arithmetic, dtype and op codes, grouping,
