@@ -36,6 +36,9 @@ def run_ranks(fake, size: int, body, timeout: float = 20.0):
     master = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                             timeout=timedelta(seconds=30))
     results, errors = {}, []
+    # Every rank starts its body once all are set up: a short deadline then measures the
+    # operations, not how long a starved machine takes to start threads.
+    ready = threading.Barrier(size, timeout=JOIN)
 
     def rank(r: int) -> None:
         engine = nccl_comm = None
@@ -46,9 +49,11 @@ def run_ranks(fake, size: int, body, timeout: float = 20.0):
             nccl_comm = NCCLCommunicator(Context(topology, timedelta(seconds=timeout), store))
             # the stand-in's tensors live on the CPU: route them to the NCCL communicator
             engine = Engine({"cpu": nccl_comm}, timeout=timeout, store=store)
+            ready.wait()
             results[r] = body(r, engine, nccl_comm)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+            ready.abort()
         finally:
             if engine is not None:
                 engine.close()
@@ -339,11 +344,11 @@ def test_a_normal_operation_does_not_expire(fake):
         engine.all_reduce(t, Op.MAX)
         assert nccl_comm._watch.drain()  # every watched operation completed
         later = threading.Event()
-        later.wait(1.5)  # past the 1 s deadline of the all_reduce
+        later.wait(2.5)  # past the 2 s deadline of the all_reduce
         engine.barrier()
         return t, nccl_comm._watch.expired
 
-    results = run_ranks(fake, 2, body, timeout=1.0)
+    results = run_ranks(fake, 2, body, timeout=2.0)
     for r in range(2):
         assert torch.equal(results[r][0], expected_reduce(2, (4,), torch.float64, Op.MAX, 0))
         assert results[r][1] is False
