@@ -267,14 +267,20 @@ class NCCLCommunicator(Communicator):
         except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
             raise self._failed(exc, "an operation in flight") from exc
 
+    def _record(self, error: BaseException) -> BaseException:
+        """Make ``error`` the communicator's failure unless it has one; return the one it has."""
+        with self._abort_lock:
+            if self._error is None:
+                self._error = error
+            return self._error
+
     def _failed(self, exc: BaseException, what: str) -> BaseException:
         """The error ``exc`` (from NCCL) is this communicator's failure: record it once, abort."""
-        if self._error is None:
-            self._error = CollectiveError(
-                f"NCCL reported an error on rank {self.rank} ({self.device}) in {what}: {exc}. The NCCL "
-                f"communicator was aborted; set NCCL_DEBUG=WARN to see NCCL's own report")
-            self.abort()
-        return self._error
+        error = self._record(CollectiveError(
+            f"NCCL reported an error on rank {self.rank} ({self.device}) in {what}: {exc}. The NCCL "
+            f"communicator was aborted; set NCCL_DEBUG=WARN to see NCCL's own report"))
+        self.abort()
+        return error
 
     def _poll_async_error(self) -> None:
         comm = self._comm
@@ -286,9 +292,9 @@ class NCCLCommunicator(Communicator):
         if error is not None:
             self._failed(error, f"{watched.op_name} (sequence number {watched.seq})")
             return
-        if self._error is None:
+        if self._error is None:  # the engine's report asks the other ranks: not under the lock
             hook = self.on_timeout
-            self._error = (hook(watched.seq, watched.op_name) if hook is not None else CollectiveTimeout(
+            self._record(hook(watched.seq, watched.op_name) if hook is not None else CollectiveTimeout(
                 f"{watched.op_name} (sequence number {watched.seq}) did not complete within "
                 f"{self._watch.timeout:g} s on rank {self.rank} of {self.size}; the NCCL communicator "
                 f"was aborted"))
