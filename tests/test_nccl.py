@@ -354,3 +354,22 @@ def test_a_normal_operation_does_not_expire(fake):
         assert results[r][1] is False
     assert all(c.destroyed and not c.aborted for c in fake.comms)
 
+
+
+def test_a_barrier_blocks_the_host_until_its_deadline(monkeypatch):
+    """barrier() waits on the host (as torch's NCCL barrier does): a missing rank times it out there."""
+    fake = install(monkeypatch, deferred=True)
+    others_done = threading.Barrier(2, timeout=JOIN)
+
+    def body(r, engine, nccl_comm):
+        if r == 1:
+            others_done.wait()
+            return None
+        with pytest.raises(CollectiveTimeout, match="Ranks that never arrived: 1.") as err:
+            engine.barrier()
+        assert not nccl_comm._watch.drain()  # the watchdog expired it too, and aborted NCCL
+        others_done.wait()
+        return str(err.value), nccl_comm._comm is None
+
+    message, aborted = run_ranks(fake, 2, body, timeout=2.0)[0]
+    assert "barrier (sequence number 1)" in message and aborted
