@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -97,8 +98,12 @@ def mpirun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Map
 def torchrun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None) -> Result:
     """``torchrun --nproc-per-node N ARGS`` on loopback with a free port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
-    return run(cmd, timeout, env)
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    # torchrun starts workers with ``python -u`` on its own stdout: a line's text and its newline
+    # are two writes that another rank's line can fall between. With --tee the agent copies each
+    # worker's output line by line, tagged "[default<rank>]:", as mpirun --tag-output does.
+    with tempfile.TemporaryDirectory(prefix="smddp-torchrun-") as logs:
+        return run([*cmd, "--tee", "3", "--log-dir", logs, *args], timeout, env)
 
 
 def python(args: Sequence[str], timeout: float = 60, env: Optional[Mapping[str, str]] = None) -> Result:
@@ -113,7 +118,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:\s?")
+_TAG = re.compile(r"^(?:\[\d+,\d+\]<std(?:out|err)>:\s?|\[default\d+\]:)")
+
+
+def untagged(output: str) -> str:
+    """``output`` without the launchers' per-line rank tags (mpirun's, smddprun's, torchrun --tee's)."""
+    return "\n".join(_TAG.sub("", line) for line in output.splitlines())
 
 
 def rank_lines(output: str, prefix: str) -> dict:

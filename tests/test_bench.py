@@ -10,7 +10,7 @@ import torch
 
 from smddp import bench
 
-from launchers import mpirun, python, torchrun
+from launchers import mpirun, python, torchrun, untagged
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -155,7 +155,7 @@ def test_csv_and_plot_writers(tmp_path):
 def _tables(stdout: str):
     """``{(op, impl, type, redop): [row fields]}`` from rank 0's output."""
     tables, current = {}, None
-    for line in stdout.splitlines():
+    for line in untagged(stdout).splitlines():
         if line.startswith("# Collective:"):
             words = line.split()
             fields = dict(zip(words[1::2], words[2::2]))
