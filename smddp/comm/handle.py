@@ -2,8 +2,9 @@
 
 The :class:`~smddp.comm.engine.Engine` creates a handle for every asynchronous operation
 and owns it until it completes; this module is how a handle waits, fails and calls back.
-:func:`poll` is the one wait loop of smddp's collectives: handles, the engine's synchronous
-path, the ``SMDDP_DEBUG`` check and the end of DDP's backward all wait through it.
+:func:`poll` is smddp's one wait loop: handles, the engine's synchronous path, the
+``SMDDP_DEBUG`` check, the end of DDP's backward and the stalled-rank reports' store
+queries all wait through it.
 """
 
 from __future__ import annotations
