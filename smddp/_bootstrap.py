@@ -24,6 +24,7 @@ import traceback
 from typing import List, Optional, Sequence, Tuple
 
 from smddp import _alias, _runtime
+from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
 
@@ -52,7 +53,7 @@ def _prepare_environment() -> Topology:
         _runtime.fill(os.environ, topo)
     except InvalidArgumentError as exc:
         print(f"smddp: error: {exc}", file=sys.stderr, flush=True)
-        _abort_mpi_job(2)  # the broadcast of MASTER_ADDR may have started MPI: end every rank
+        abort_mpi(2)  # the broadcast of MASTER_ADDR may have started MPI: end every rank
         raise SystemExit(2) from None
     except ValueError as exc:
         print(f"smddp: cannot read this process's rank ({exc}); assuming a world of one", file=sys.stderr)
@@ -74,20 +75,6 @@ def _follow_launcher() -> None:
         return
     if str(os.getppid()) != pid:  # the launcher died before prctl took effect
         os._exit(128 + int(signal.SIGTERM))
-
-
-def _abort_mpi_job(code: int) -> None:
-    """``MPI_Abort`` when this process uses MPI, so the other ranks end too; else nothing."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        return
-    try:
-        if mpi.Is_initialized() and not mpi.Is_finalized():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            mpi.COMM_WORLD.Abort(code)
-    except Exception:  # noqa: BLE001 - we are already failing; keep the first error
-        return
 
 
 def _user_traceback(exc: BaseException) -> None:
@@ -130,18 +117,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
-            _abort_mpi_job(code if isinstance(code, int) else 1)
+            abort_mpi(code if isinstance(code, int) else 1)
         raise
     except KeyboardInterrupt as exc:
         _user_traceback(exc)
-        _abort_mpi_job(128 + int(signal.SIGINT))
+        abort_mpi(128 + int(signal.SIGINT))
         # Die of SIGINT, as Python does, so that callers see how the process ended.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         raise SystemExit(128 + int(signal.SIGINT)) from None
     except BaseException as exc:  # noqa: BLE001 - every failure must end the job
         _user_traceback(exc)
-        _abort_mpi_job(1)
+        abort_mpi(1)
         raise SystemExit(1) from None
 
 

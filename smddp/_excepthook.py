@@ -45,18 +45,34 @@ def _flush() -> None:
             pass
 
 
+def abort_mpi(code: int) -> None:
+    """Under MPI, end every rank of the job (``MPI_Abort``); elsewhere only flush the output.
+
+    The one way smddp ends an MPI job: the hook below, a broken engine at exit, smddprun's
+    bootstrap and smddp-bench all come here.
+
+    Args:
+        code: the exit status.
+    """
+    _flush()
+    if not mpi_running():
+        return
+    # mpirun forwards output through its daemon, which the abort stops: give it a
+    # moment, or the traceback that explains the abort may be lost.
+    time.sleep(_IO_GRACE)
+    try:
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+    except Exception:  # noqa: BLE001 - already failing: the caller exits with the first error
+        return
+
+
 def abort_job(code: int = 1) -> None:
     """End this process now; under MPI, end every rank of the job (``MPI_Abort``).
 
     Args:
         code: the exit status.
     """
-    _flush()
-    if mpi_running():
-        # mpirun forwards output through its daemon, which the abort stops: give it a
-        # moment, or the traceback that explains the abort may be lost.
-        time.sleep(_IO_GRACE)
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+    abort_mpi(code)
     os._exit(code)
 
 

@@ -2,8 +2,8 @@
 
 Each test starts a job (``tests/scripts/fault_job.py MODE``) under ``mpirun``, ``torchrun`` or
 ``smddprun`` with a hard time limit, and checks what every rank printed. Detection times are
-printed (``pytest -s`` shows them); the only time assertions are generous bounds that prove
-"no hang".
+printed (``pytest -s`` shows them) but never asserted: the launcher's time limit is what
+proves "no hang", and the assertions check what ended each rank and what the errors say.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.comm.local import LocalCommunicator
 
-from launchers import ROOT, base_env, mpirun, rank_lines, torchrun
+from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
 SCRIPT = "tests/scripts/fault_job.py"
 TIMEOUT_S = 5  # the collective timeout the stall tests run with
-MARGIN_S = 6  # detection must come within the timeout plus this (asking the others takes < 3 s)
 
 
 def report(fault: str, seconds: float, extra: str = "") -> None:
@@ -43,38 +42,44 @@ def lines(output: str, word: str) -> Dict[int, str]:
 # ---------------------------------------------------------------------------- a rank dies
 @pytest.mark.mpi
 def test_uncaught_exception_ends_the_job_with_its_traceback_first():
+    # Rank 0 waits in an all-reduce with the default 30-minute timeout: only the abort can end
+    # it within the launcher's 60 s.
     result = mpirun(2, [SCRIPT, "crash"], timeout=60)
     end = time.time()
     assert result.returncode != 0, result.output
     crashed = float(lines(result.stdout, "CRASH")[1])
     assert "UNREACHABLE" not in result.stdout
+    assert lines(result.stdout, "END") == {}, result.output
     err = result.stderr
     assert "ZeroDivisionError: rank 1 fails on purpose" in err, err
     assert err.index("ZeroDivisionError") < err.index("MPI_ABORT"), "the traceback must come before the abort"
     assert "ending every rank of the job" in err
-    assert end - crashed < 20
+    assert "CollectiveTimeout" not in err, "rank 0 must be ended by the abort, not by a timeout"
     report("uncaught exception on rank 1 (mpirun -np 2)", end - crashed, "to the end of the job")
 
 
 @pytest.mark.mpi
 def test_rank_that_dies_ends_the_job():
+    # As above: rank 0's 30-minute timeout cannot end it within the launcher's 60 s.
     result = mpirun(2, [SCRIPT, "die"], timeout=60)
     end = time.time()
     assert result.returncode != 0, result.output
     died = float(lines(result.stdout, "DIE")[1])
     assert "UNREACHABLE" not in result.stdout
-    assert end - died < 20
+    assert lines(result.stdout, "END") == {}, result.output
+    assert "CollectiveTimeout" not in result.stderr
     report("rank 1 exits (os._exit) before a collective (mpirun -np 2)", end - died, "to the end of the job")
 
 
 # ---------------------------------------------------------------------------- a rank stalls
 def check_stall(result, ranks: List[int], backend: str) -> None:
+    # Rank 1 sleeps 120 s, past the launcher's 90 s: the job ends only because the others time
+    # out and end it.
     timeouts = lines(result.stdout, "TIMEOUT")
     assert sorted(timeouts) == ranks, result.output
     for rank in ranks:
         seconds, message = timeouts[rank].split(" ", 1)
-        assert TIMEOUT_S - 0.5 <= float(seconds) <= TIMEOUT_S + MARGIN_S, timeouts[rank]
-        assert "all_reduce (sequence number 3)" in message
+        assert f"all_reduce (sequence number 3) did not complete within {TIMEOUT_S} s" in message, message
         assert "Ranks that never arrived: 1." in message, message
         assert "Rank 1 is outside collectives: its last one, sequence 2 (barrier)" in message, message
         assert "The job is now broken" in message
@@ -82,11 +87,13 @@ def check_stall(result, ranks: List[int], backend: str) -> None:
     fast = lines(result.stdout, "FASTFAIL")
     for rank in ranks:
         seconds, message = fast[rank].split(" ", 1)
-        assert float(seconds) < 1.0 and "broken" in message, fast[rank]
+        # Raised before anything is sent: the call cannot wait for the sleeping rank.
+        assert "the job is broken after an earlier failure and cannot run more collectives" in message, message
         report(f"the next collective after the timeout, rank {rank} ({backend})", float(seconds), "(fails fast)")
     # A broken job ends at exit instead of waiting for the sleeping rank.
     assert result.returncode != 0
     assert "exiting with the job broken" in result.stderr
+    assert 1 not in lines(result.stdout, "END"), "rank 1 must be ended, not waited for"
 
 
 @pytest.mark.mpi
@@ -102,6 +109,21 @@ def test_timeout_names_the_rank_that_never_arrived_gloo():
     result = torchrun(2, [SCRIPT, "sleep"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
     check_stall(result, [0], "gloo under torchrun")
     print(f"job took {time.monotonic() - start:.1f} s; rank 1 would have slept 120 s")
+
+
+INIT = {
+    "smddp": "import smddp.torch.distributed as dist; dist.init_process_group()",
+    "torch": ("import torch.distributed as td, smddp.torch.torch_smddp; "
+              "td.init_process_group('smddp', store=td.HashStore(), rank=0, world_size=1)"),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(INIT))
+def test_bad_smddp_timeout_is_one_error_whichever_init(entry):
+    result = python(["-c", INIT[entry]], env={"SMDDP_TIMEOUT": "soon"})
+    assert result.returncode != 0, result.output
+    assert ("smddp.errors.InvalidArgumentError: SMDDP_TIMEOUT='soon' is not a number of seconds; "
+            "set it to how long a collective may take") in result.stderr, result.output
 
 
 # ---------------------------------------------------------------------------- SMDDP_DEBUG
@@ -182,7 +204,7 @@ def test_uneven_batches_named_by_the_timeout():
     assert "CollectiveTimeout: all_reduce (during backward: DDP gradients)" in message, message
     assert "Ranks that never arrived: 1. Rank 1 has reached the end of its script" in message, message
     assert all(word in message for word in HINT_WORDS), message
-    assert TIMEOUT_S - 0.5 <= float(seconds) <= TIMEOUT_S + MARGIN_S
+    assert f"did not complete within {TIMEOUT_S} s" in message, message
     report(f"uneven batches in DDP (mpi, {TIMEOUT_S} s timeout), rank 0", float(seconds))
 
 
@@ -193,7 +215,6 @@ def test_uneven_batches_named_on_gloo():
     # Here gloo notices the peer's exit first (its connection closes), before any timeout.
     assert "Ranks that never arrived: 1. Rank 1 has reached the end of its script" in message, message
     assert all(word in message for word in HINT_WORDS), message
-    assert float(seconds) <= TIMEOUT_S + MARGIN_S
     report("uneven batches in DDP (gloo under torchrun), rank 0", float(seconds))
 
 

@@ -10,6 +10,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
+from smddp._excepthook import abort_job
 from smddp.bench.adapters import Impl, SmddpImpl, TorchImpl
 from smddp.bench.output import Progress, Report, mean_busbw, write_csv, write_plot
 from smddp.bench.runner import Row, Runner
@@ -163,12 +164,7 @@ def _gather_hosts(rank: int, world_size: int, device) -> List[str]:
 def _abort(exc: BaseException) -> None:
     """A rank failed: make the whole job stop instead of leaving the others in a collective."""
     traceback.print_exception(type(exc), exc, exc.__traceback__)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.COMM_WORLD.Abort(1)
-    os._exit(1)
+    abort_job(1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

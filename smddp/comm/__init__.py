@@ -16,6 +16,20 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 from smddp._topology import Topology
 from smddp.errors import BackendUnavailableError
 
+#: What to install for each backend's library: the one place these hints are written; every
+#: error about a missing library and smddp-info's table name them.
+MPI_INSTALL = "pip install 'smddp[mpi]' (mpi4py and Open MPI)"
+CUDA_INSTALL = (
+    "pip install 'smddp[cuda]' (CuPy for CUDA 12: cupy-cuda12x; "
+    "for CUDA 13 install cupy-cuda13x instead)"
+)
+TORCH_CUDA_INSTALL = "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
+XPU_INSTALL = (
+    "a torch XPU build >= 2.8, which has XCCL (pip install torch --index-url "
+    "https://download.pytorch.org/whl/xpu), or Intel's oneCCL bindings (pip install oneccl_bind_pt "
+    "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/)"
+)
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -32,7 +46,7 @@ BACKENDS: Dict[str, BackendInfo] = {
     info.name: info
     for info in (
         BackendInfo("mpi", "smddp.comm.planes:PlaneCommunicator", "cpu",
-                    "pip install 'smddp[mpi]' (mpi4py and Open MPI)",
+                    MPI_INSTALL,
                     "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
         BackendInfo("gloo", "smddp.comm.gloo:GlooCommunicator", "cpu",
                     "a torch build with gloo (every official wheel has it)",
@@ -50,17 +64,14 @@ def register(info: BackendInfo) -> None:
 
 # Device backends: each moves its device's tensors; its class's build(ctx) adds a CPU
 # communicator for CPU tensors (smddp/comm/devices.py).
-_CUPY = "pip install 'smddp[cuda]' (cupy-cuda12x; for CUDA 13 install cupy-cuda13x instead)"
-_XPU = ("a torch XPU build >= 2.8 (native XCCL), or Intel's oneCCL bindings: pip install oneccl_bind_pt "
-        "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/")
 for _info in (
-    BackendInfo("nccl", "smddp.comm.nccl:NCCLCommunicator", "cuda", _CUPY,
+    BackendInfo("nccl", "smddp.comm.nccl:NCCLCommunicator", "cuda", CUDA_INSTALL,
                 "NCCL through CuPy on torch's current CUDA stream; the default on CUDA"),
     BackendInfo("torch-nccl", "smddp.comm.torch_native:TorchNCCLCommunicator", "cuda",
-                "a CUDA build of torch", "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
-    BackendInfo("xccl", "smddp.comm.torch_native:XCCLCommunicator", "xpu", _XPU,
+                TORCH_CUDA_INSTALL, "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
+    BackendInfo("xccl", "smddp.comm.torch_native:XCCLCommunicator", "xpu", XPU_INSTALL,
                 "Intel GPUs: torch's XCCL, else oneCCL's bindings; the default on XPU"),
-    BackendInfo("ccl", "smddp.comm.torch_native:CCLCommunicator", "xpu", _XPU,
+    BackendInfo("ccl", "smddp.comm.torch_native:CCLCommunicator", "xpu", XPU_INSTALL,
                 "Intel's oneccl_bindings_for_pytorch on XPU and CPU tensors"),
 ):
     register(_info)
@@ -123,7 +134,7 @@ def _device_backend_missing(name: str, found: Probe) -> Optional[str]:
         if not found.cuda:
             return f"the 'nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
         if not found.cupy:
-            return (f"the 'nccl' backend needs CuPy, which is not installed: {_CUPY}; "
+            return (f"the 'nccl' backend needs CuPy, which is not installed: {CUDA_INSTALL}; "
                     f"or use SMDDP_BACKEND=torch-nccl (torch's own NCCL, no CuPy needed)")
     elif name == "torch-nccl" and not found.cuda:
         return f"the 'torch-nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
@@ -131,9 +142,9 @@ def _device_backend_missing(name: str, found: Probe) -> Optional[str]:
         if not found.xpu:
             return "the 'xccl' backend needs an Intel GPU, and torch sees none (torch.xpu.is_available() is False)"
         if not (found.xccl or found.ccl):
-            return f"the 'xccl' backend needs oneCCL, and this torch has no XCCL: install {_XPU}"
+            return f"the 'xccl' backend needs oneCCL, and this torch has no XCCL: install {XPU_INSTALL}"
     elif name == "ccl" and not found.ccl:
-        return f"the 'ccl' backend needs Intel's oneccl_bindings_for_pytorch: install {_XPU}"
+        return f"the 'ccl' backend needs Intel's oneccl_bindings_for_pytorch: install {XPU_INSTALL}"
     return None
 
 
@@ -166,12 +177,12 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
             if candidate in BACKENDS and applies(found, topology):
                 if candidate == "torch-nccl" and topology.rank == 0:
                     _log.warning("smddp: CuPy is not installed, so CUDA tensors go through torch's own NCCL "
-                                 "(backend 'torch-nccl'); for smddp's 'nccl' backend: %s", _CUPY)
+                                 "(backend 'torch-nccl'); for smddp's 'nccl' backend: %s", CUDA_INSTALL)
                 return candidate
         if found.xpu:
             raise BackendUnavailableError(
                 f"this machine has an Intel GPU but no oneCCL (this torch has no XCCL and "
-                f"oneccl_bindings_for_pytorch is not installed): install {_XPU}; or set SMDDP_BACKEND=gloo "
+                f"oneccl_bindings_for_pytorch is not installed): install {XPU_INSTALL}; or set SMDDP_BACKEND=gloo "
                 f"to use CPU tensors only"
             )
         return "mpi" if topology.mpi and found.mpi4py else "gloo"

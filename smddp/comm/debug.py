@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from smddp.comm.base import Communicator, Op
+from smddp.comm.handle import poll
 from smddp.comm.stall import UNEVEN_BATCHES_HINT, ranks_text
 from smddp.errors import CollectiveMismatchError
 
@@ -153,14 +154,8 @@ class Checker:
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
         pending = self.comm.all_gather(out, mine, seq)
-        deadline = time.monotonic() + self.engine.timeout
-        polls = 0
-        while not pending.test():
-            polls += 1
-            if polls > 2000:
-                if time.monotonic() > deadline:
-                    raise self.engine._stalled(seq, f"{op_name} (the SMDDP_DEBUG check before it)")
-                time.sleep(0 if polls < 20000 else 0.0005)
+        if not poll(pending.test, time.monotonic() + self.engine.timeout):
+            raise self.engine._stalled(seq, f"{op_name} (the SMDDP_DEBUG check before it)")
         return out.view(self.size, -1).cpu()
 
     def _where(self) -> str:

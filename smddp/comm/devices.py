@@ -15,21 +15,13 @@ from typing import Callable, Dict, Optional
 import torch
 
 from smddp._topology import Topology
+from smddp.comm import CUDA_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.comm.base import Communicator, Context
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
-#: What to install for each device backend, named in every error about it.
-CUDA_INSTALL = (
-    "pip install 'smddp[cuda]' (CuPy for CUDA 12: cupy-cuda12x; "
-    "for CUDA 13 install cupy-cuda13x instead)"
-)
-TORCH_CUDA_INSTALL = "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
-XPU_INSTALL = (
-    "a torch XPU build >= 2.8, which has XCCL (pip install torch --index-url "
-    "https://download.pytorch.org/whl/xpu), or Intel's oneCCL bindings (pip install oneccl_bind_pt "
-    "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/)"
-)
-
+#: The install hints live with the registry (smddp.comm); re-exported for the device backends.
+__all__ = ["CUDA_INSTALL", "TORCH_CUDA_INSTALL", "XPU_INSTALL", "check_device", "companion_backend",
+           "device_count", "pick_device", "with_cpu_companion"]
 
 def companion_backend(topology: Topology, mpi4py: bool) -> str:
     """The CPU backend that serves CPU tensors next to a device backend.

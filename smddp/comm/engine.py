@@ -43,7 +43,7 @@ import torch
 from smddp.comm import debug as _debug
 from smddp.comm.base import DONE, Communicator, Op, Pending, Then
 from smddp.comm.checks import Checks
-from smddp.comm.handle import _BLOCK_SLICE, _HOT_POLLS, _WARM_POLLS, Handle
+from smddp.comm.handle import Handle, poll
 from smddp.comm.health import Health
 from smddp.errors import CollectiveError, InvalidArgumentError, InvalidTypeError
 
@@ -142,22 +142,12 @@ class Engine(Health, Checks):
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective, nothing else in flight, in the caller's thread.
 
-        The one wait loop without a handle: the hot path of synchronous collectives.
+        The hot path of synchronous collectives: no handle, no lock.
         """
-        deadline = time.monotonic() + self.timeout
-        block = getattr(pending, "block", None)
-        polls = 0
         try:
-            while not pending.test():
-                polls += 1
-                if block is not None or polls > _HOT_POLLS:
-                    if time.monotonic() > deadline:
-                        self._abandoned.append(pending)
-                        raise self._stalled(seq, op_name)
-                    if block is not None:
-                        block(min(_BLOCK_SLICE, max(0.0, deadline - time.monotonic())))
-                    else:
-                        time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+            if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
+                self._abandoned.append(pending)
+                raise self._stalled(seq, op_name)
         except CollectiveError:
             raise
         except KeyboardInterrupt:

@@ -1,11 +1,15 @@
-"""A collective in flight, as the caller holds it: :class:`Handle` (torch's ``Work``).
+"""A collective in flight, as the caller holds it (:class:`Handle`), and how a thread waits.
 
 The :class:`~smddp.comm.engine.Engine` creates a handle for every asynchronous operation
 and owns it until it completes; this module is how a handle waits, fails and calls back.
+:func:`poll` is smddp's one wait loop: handles, the engine's synchronous path, the
+``SMDDP_DEBUG`` check, the end of DDP's backward and the stalled-rank reports' store
+queries all wait through it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Callable, List, Optional
 
@@ -23,6 +27,46 @@ _WARM_POLLS = 40000
 # is slept on in slices of this many seconds instead of polled: polling takes the CPU from
 # the very threads doing the work.
 _BLOCK_SLICE = 0.5
+
+
+def poll(
+    test: Callable[[], bool],
+    deadline: float,
+    block: Optional[Callable[[float], object]] = None,
+    pause: Optional[Callable[[], object]] = None,
+) -> bool:
+    """Call ``test()`` until it returns True or ``deadline`` passes.
+
+    Between two calls the thread waits as suits the operation: ``block(seconds)`` for a
+    library that completes it on threads of its own; else ``pause()`` if given; else it
+    polls busily for the first few thousand calls (small collectives finish within them),
+    then yields the CPU, then sleeps half a millisecond at a time.
+
+    Args:
+        test: returns True once the operation has completed.
+        deadline: a ``time.monotonic()`` time; ``math.inf`` for none.
+        block: sleeps at most the given seconds or until the operation completes (a
+            Pending's ``block``).
+        pause: called between two tests instead of the default back-off.
+
+    Returns:
+        True once ``test()`` did; False when the deadline passed first.
+    """
+    polls = 0
+    while not test():
+        polls += 1
+        if block is None and pause is None and polls <= _HOT_POLLS:
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if block is not None:
+            block(min(_BLOCK_SLICE, deadline - now))
+        elif pause is not None:
+            pause()
+        else:
+            time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+    return True
 
 
 class Handle:
@@ -69,15 +113,12 @@ class Handle:
         """
         if timeout is not None:
             self.deadline = min(self.deadline, time.monotonic() + timeout)
-        block = getattr(self._pending, "block", None)
-        polls = 0
+        block = self._block if getattr(self._pending, "block", None) is not None else None
         try:
-            while not self.is_completed():
-                polls += 1
-                if block is not None and not self._finished:
-                    block(min(_BLOCK_SLICE, max(0.0, self.deadline - time.monotonic())))
-                elif polls > _HOT_POLLS:
-                    time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+            # The handle fails itself at its deadline (see _advance); past it, it completes
+            # once the collectives issued before it have.
+            if not poll(self.is_completed, self.deadline, block):
+                poll(self.is_completed, math.inf)
         except KeyboardInterrupt:
             self._engine._interrupted(self.seq, self.op_name)
             raise
@@ -111,6 +152,13 @@ class Handle:
                 self._callbacks.append(callback)
                 return
         self._engine._call_back(self, [callback])
+
+    def _block(self, seconds: float) -> None:
+        if self._finished:
+            # Only the collectives issued before this one are left: is_completed advances them.
+            time.sleep(0)
+        else:
+            self._pending.block(seconds)
 
     def _advance(self, now: float) -> None:
         """Test the Pending once; fail it past its deadline. Called under the engine's lock."""

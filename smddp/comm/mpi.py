@@ -24,6 +24,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
+from smddp.comm import MPI_INSTALL
 from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
@@ -31,7 +32,7 @@ try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - exercised where mpi4py is absent
     raise BackendUnavailableError(
-        "the 'mpi' backend needs mpi4py and an MPI library: pip install 'smddp[mpi]'"
+        f"the 'mpi' backend needs mpi4py and an MPI library: {MPI_INSTALL}"
     ) from exc
 
 #: All-reduces of at least this many bytes take the large-message path; smaller ones MPI_Iallreduce.

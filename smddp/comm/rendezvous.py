@@ -19,6 +19,7 @@ from typing import Any, Dict, Tuple
 import torch.distributed as tdist
 
 from smddp._topology import Topology
+from smddp.comm import MPI_INSTALL
 from smddp.errors import BackendUnavailableError
 
 
@@ -58,7 +59,7 @@ def _store_over_mpi(topology: Topology, timeout: timedelta):
         from mpi4py import MPI
     except ImportError as exc:
         raise BackendUnavailableError(
-            "launched by MPI but mpi4py is missing: pip install 'smddp[mpi]', or set MASTER_ADDR and MASTER_PORT"
+            f"launched by MPI but mpi4py is missing: {MPI_INSTALL}; or set MASTER_ADDR and MASTER_PORT"
         ) from exc
     comm = MPI.COMM_WORLD
     address = None

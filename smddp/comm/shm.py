@@ -15,10 +15,7 @@ buffers. No trailing barrier: the epoch words order everything.
   waits long, so the engine's deadline, its progress thread and its timeouts apply as
   they do to MPI.
 
-Shared memory per host: ``4096 + local_size * 2 * SMDDP_SHM_SLOT_BYTES`` bytes (default
-slot 4 MiB: 8 MiB per rank). The segment is unlinked as soon as every rank has mapped it,
-so a job killed with ``kill -9`` leaves nothing in /dev/shm; a segment left by a crash
-during set-up (its creator's pid gone) is removed by the next job's set-up.
+The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.shm_segment`'s.
 
 The epoch words rely on x86-64's ordering of stores (data before flag); elsewhere
 :func:`supported` is False and the MPI plane is used.
@@ -27,14 +24,9 @@ The epoch words rely on x86-64's ordering of stores (data before flag); elsewher
 from __future__ import annotations
 
 import collections
-import mmap
 import os
-import platform
-import re
-import socket
 import threading
 import time
-import uuid
 import warnings
 from typing import Iterator, List, Optional, Tuple
 
@@ -42,78 +34,16 @@ import torch
 
 from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, Pending, average, combine
+from smddp.comm.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
 from smddp.errors import CollectiveError
 
-#: Bytes of one buffer; each rank has two.
-SLOT_BYTES = int(os.environ.get("SMDDP_SHM_SLOT_BYTES", 4 << 20))
 #: All-reduces up to this many bytes run in one step (every rank reduces everything).
 ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 1 << 20))
-SHM_DIR = os.environ.get("SMDDP_SHM_DIR", "/dev/shm")
-_PREFIX = "smddp-shm-"
-_HEADER = 4096
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
 _SPINS = 64  # flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
-
-
-def supported() -> bool:
-    """True where the shared-memory plane may run (x86-64 Linux with a /dev/shm)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
-
-
-def segment_bytes(local_size: int, slot: int = SLOT_BYTES) -> int:
-    """Bytes of the segment for ``local_size`` ranks."""
-    return _HEADER + local_size * 2 * slot
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale(directory: str = SHM_DIR) -> List[str]:
-    """Remove smddp segments whose creating process is gone; returns the names removed."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = re.match(re.escape(_PREFIX) + r".*-p(\d+)$", name)
-        if m and not _alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
-
-
-def _create(name: str, nbytes: int) -> Optional[str]:
-    """Create and reserve segment ``name``; None (with a reason) when /dev/shm is too small."""
-    path = os.path.join(SHM_DIR, name)
-    sweep_stale()
-    stat = os.statvfs(SHM_DIR)
-    free = stat.f_bavail * stat.f_frsize
-    if free < nbytes:
-        return f"{SHM_DIR} has {free >> 20} MiB free and the shared-memory plane needs {nbytes >> 20} MiB"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        # Reserve the pages now: a full tmpfs is an error here, not a SIGBUS mid-collective.
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        os.close(fd)
-        os.unlink(path)
-        return f"{SHM_DIR} cannot hold {nbytes >> 20} MiB ({exc.strerror})"
-    os.close(fd)
-    return None
 
 
 class Plane:
@@ -133,32 +63,7 @@ class Plane:
     def __init__(self, comm, group: str = "world", slot: int = SLOT_BYTES):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.slot = slot
-        nbytes = segment_bytes(self.size, slot)
-        name = reason = None
-        if self.rank == 0:
-            host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
-            job = os.environ.get("OMPI_COMM_WORLD_JOBID") or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:8]
-            name = f"{_PREFIX}{job}-{host}-{group}-{uuid.uuid4().hex[:6]}-p{os.getpid()}"
-            reason = _create(name, nbytes)
-        name, reason = comm.bcast((name, reason), root=0)
-        if reason is not None:
-            raise OSError(reason)
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-        finally:
-            # Unlink once every rank has it mapped: from now on no crash can leave it behind.
-            comm.Barrier()
-            if self.rank == 0:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        self.name = name
+        self.name, self._mm = map_segment(comm, group, segment_bytes(self.size, slot))
         self._words = memoryview(self._mm).cast("q")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._stride = _WORD // 8
@@ -176,7 +81,7 @@ class Plane:
 
     # ------------------------------------------------------------------ primitives
     def _buffer(self, rank: int, step: int) -> torch.Tensor:
-        start = _HEADER + (rank * 2 + step % 2) * self.slot
+        start = HEADER + (rank * 2 + step % 2) * self.slot
         return self._bytes[start:start + self.slot]
 
     def _view(self, rank: int, step: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -265,7 +170,7 @@ class Plane:
             self._waiting_since, self._next_liveness = now, now + _LIVENESS_EVERY
         elif now >= self._next_liveness:
             self._next_liveness = now + _LIVENESS_EVERY
-            dead = [r for r in self._behind(wait) if not _alive(self._pids[r])]
+            dead = [r for r in self._behind(wait) if not alive(self._pids[r])]
             if dead:
                 raise CollectiveError(
                     f"local rank(s) {dead} of this host's shared-memory group (pids "

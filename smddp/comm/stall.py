@@ -27,6 +27,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional
 
+from smddp.comm.handle import poll
+
 #: Seconds a timed-out rank waits for the other ranks' answers.
 ANSWER_WAIT = 3.0
 
@@ -34,6 +36,12 @@ ANSWER_WAIT = 3.0
 Status = Dict[str, object]
 
 _POLL = 0.02
+
+
+def _pause() -> None:
+    time.sleep(_POLL)  # a store round trip costs far more than a collective's test
+
+
 _engines = itertools.count()
 
 #: Appended to errors about a collective started during backward (usually DDP's gradients).
@@ -107,11 +115,9 @@ class StoreChannel:
             for r in others:
                 self.store.queue_push(f"q/{r}", message)
             base = f"a/{self.rank}/{qid}"
-            deadline = time.monotonic() + timeout
             # Ranks that have ended left a note instead of an answer: do not wait for them.
-            while (self.store.add(f"{base}/n", 0) + self.store.add("ended", 0) < len(others)
-                   and time.monotonic() < deadline):
-                time.sleep(_POLL)
+            poll(lambda: self.store.add(f"{base}/n", 0) + self.store.add("ended", 0) >= len(others),
+                 time.monotonic() + timeout, pause=_pause)
             found: Dict[int, Optional[Status]] = {}
             for r in others:
                 found[r] = self._read(f"{base}/{r}") or self._read(f"x/{r}")
@@ -136,16 +142,14 @@ class StoreChannel:
         Returns:
             True if they all did within ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def ended() -> bool:
             try:
-                if self.store.add("ended", 0) >= self.size:
-                    return True
+                return self.store.add("ended", 0) >= self.size
             except Exception:  # noqa: BLE001 - the store's host has gone: nothing to wait for
                 return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
+
+        return poll(ended, time.monotonic() + timeout, pause=_pause)
 
     def close(self) -> None:
         """Stop the responder thread."""

@@ -181,6 +181,7 @@ def init_process_group(*args, **kwargs) -> None:
     Raises:
         BackendUnavailableError: an unknown backend (the valid ones are listed), or one
             whose library is not installed (the pip extra is named).
+        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds.
         TypeError: an argument torch's ``init_process_group`` does not have either.
     """
     if len(args) > 1:
@@ -196,8 +197,7 @@ def init_process_group(*args, **kwargs) -> None:
         return
     timeout = kwargs.get("timeout")
     if timeout is None:
-        env = os.environ.get("SMDDP_TIMEOUT")
-        timeout = timedelta(seconds=float(env)) if env else _compat.default_timeout()
+        timeout = process_group.resolve_timeout(_compat.default_timeout())
     elif not isinstance(timeout, timedelta):
         raise InvalidTypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     rank, world_size = kwargs.get("rank"), kwargs.get("world_size")

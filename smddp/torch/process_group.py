@@ -23,6 +23,7 @@ from smddp._topology import Topology, discover
 from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
+from smddp.comm.handle import poll
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _compat, _groups, _native, _rendezvous
 
@@ -208,15 +209,8 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         # on instead: polling would only take the CPU from that thread.
         give_up = time.monotonic() + _FINISH_SECONDS
         for handle in self._backward_handles.pop(task, ()):
-            block = getattr(handle._pending, "block", None)
-            while not handle.is_completed():
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    return
-                if block is not None:
-                    block(left)
-                else:
-                    _yield_cpu()
+            if not poll(handle.is_completed, give_up, getattr(handle._pending, "block", None), _yield_cpu):
+                return
 
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")
@@ -387,13 +381,28 @@ def request_backend(name: Optional[str]) -> None:
     _requested_backend = name
 
 
-def _timeout(torch_timeout: timedelta) -> timedelta:
+def resolve_timeout(torch_timeout: timedelta) -> timedelta:
+    """The collective timeout: ``SMDDP_TIMEOUT`` seconds when torch's is its default.
+
+    Args:
+        torch_timeout: the timeout torch passes (``init_process_group(timeout=...)``).
+
+    Returns:
+        ``torch_timeout``, or ``SMDDP_TIMEOUT`` seconds when it is set and
+        ``torch_timeout`` is torch's default.
+
+    Raises:
+        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds.
+    """
     env = os.environ.get("SMDDP_TIMEOUT")
     if env and torch_timeout == _compat.default_timeout():
         try:
             return timedelta(seconds=float(env))
         except ValueError:
-            raise InvalidArgumentError(f"SMDDP_TIMEOUT={env!r} is not a number of seconds") from None
+            raise InvalidArgumentError(
+                f"SMDDP_TIMEOUT={env!r} is not a number of seconds; set it to how long a collective may "
+                f"take (for example SMDDP_TIMEOUT=600), or unset it for torch's default"
+            ) from None
     return torch_timeout
 
 
@@ -412,12 +421,13 @@ def _topology(rank: int, size: int) -> Topology:
 def _create(options, backend_options=None) -> SmddpProcessGroup:
     global _current, _world_topology
     if tdist.is_initialized():
-        return _groups.create_subgroup(options, _current, _world_topology, _timeout(options.timeout))
+        return _groups.create_subgroup(options, _current, _world_topology, resolve_timeout(options.timeout))
     _tear_down_at_exit()
     rank, size = options.group_rank, options.group_size
     topology = _topology(rank, size)
-    timeout = _timeout(options.timeout)
-    name = comm.choose_backend(_requested_backend, os.environ, topology, comm.probe())
+    timeout = resolve_timeout(options.timeout)
+    # smddp's init_process_group has chosen the backend already (and probed the machine for it).
+    name = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
     communicators = comm.create_communicators(name, Context(topology, timeout, options.store))
     group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds(), options.store), rank, size)
     group_name = getattr(options, "group_id", "") or ""

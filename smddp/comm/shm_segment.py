@@ -1,0 +1,126 @@
+"""The shared-memory plane's segment: created, reserved, mapped by every rank, unlinked.
+
+Shared memory per host: ``4096 + local_size * 2 * SMDDP_SHM_SLOT_BYTES`` bytes (default
+slot 4 MiB: 8 MiB per rank). The segment is unlinked as soon as every rank has mapped it,
+so a job killed with ``kill -9`` leaves nothing in /dev/shm; a segment left by a crash
+during set-up (its creator's pid gone) is removed by the next job's set-up.
+:mod:`smddp.comm.shm` runs the collectives over it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import re
+import socket
+import uuid
+from typing import List, Optional, Tuple
+
+#: Bytes of one buffer; each rank has two.
+SLOT_BYTES = int(os.environ.get("SMDDP_SHM_SLOT_BYTES", 4 << 20))
+SHM_DIR = os.environ.get("SMDDP_SHM_DIR", "/dev/shm")
+#: Bytes before the buffers: the ranks' epoch words and pids.
+HEADER = 4096
+_PREFIX = "smddp-shm-"
+
+
+def supported() -> bool:
+    """True where the shared-memory plane may run (x86-64 Linux with a /dev/shm)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def segment_bytes(local_size: int, slot: int = SLOT_BYTES) -> int:
+    """Bytes of the segment for ``local_size`` ranks."""
+    return HEADER + local_size * 2 * slot
+
+
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists (this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: str = SHM_DIR) -> List[str]:
+    """Remove smddp segments whose creating process is gone; returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.match(re.escape(_PREFIX) + r".*-p(\d+)$", name)
+        if m and not alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _create(name: str, nbytes: int) -> Optional[str]:
+    """Create and reserve segment ``name``; None (with a reason) when /dev/shm is too small."""
+    path = os.path.join(SHM_DIR, name)
+    sweep_stale()
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if free < nbytes:
+        return f"{SHM_DIR} has {free >> 20} MiB free and the shared-memory plane needs {nbytes >> 20} MiB"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        # Reserve the pages now: a full tmpfs is an error here, not a SIGBUS mid-collective.
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        return f"{SHM_DIR} cannot hold {nbytes >> 20} MiB ({exc.strerror})"
+    os.close(fd)
+    return None
+
+
+def map_segment(comm, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
+    """Create a segment of ``nbytes`` for ``comm``'s ranks and map it on every one of them.
+
+    Args:
+        comm: an mpi4py communicator of exactly the ranks that share the segment.
+        group: a name for the group (part of the segment's name).
+        nbytes: the segment's size (:func:`segment_bytes`).
+
+    Returns:
+        The segment's name and this rank's mapping of it (the file is already unlinked).
+
+    Raises:
+        OSError: /dev/shm cannot hold the segment (on every rank).
+    """
+    rank = comm.Get_rank()
+    name = reason = None
+    if rank == 0:
+        host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+        job = os.environ.get("OMPI_COMM_WORLD_JOBID") or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:8]
+        name = f"{_PREFIX}{job}-{host}-{group}-{uuid.uuid4().hex[:6]}-p{os.getpid()}"
+        reason = _create(name, nbytes)
+    name, reason = comm.bcast((name, reason), root=0)
+    if reason is not None:
+        raise OSError(reason)
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+    finally:
+        # Unlink once every rank has it mapped: from now on no crash can leave it behind.
+        comm.Barrier()
+        if rank == 0:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return name, mapping
