@@ -35,15 +35,16 @@ The default on CUDA machines. How it runs:
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.devices import check_device, pick_device, with_cpu_companion
+from smddp.comm.handle import poll
 from smddp.comm.nccl_cupy import NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops
 from smddp.comm.nccl_uid import next_generation, share_unique_id
 from smddp.comm.nccl_watch import Watchdog, Watched
@@ -54,9 +55,6 @@ __all__ = ["NCCL_2_10", "NCCLCommunicator", "all_to_all_plan", "load_nccl", "ncc
 
 #: Environment variable choosing the stream collectives run on: ``current`` or ``side``.
 STREAM_ENV = "SMDDP_NCCL_STREAM"
-
-#: Seconds between two looks at a CUDA event by :meth:`StreamOrdered.synchronize`.
-_SYNC_POLL = 0.0005
 
 
 # ---------------------------------------------------------------------------- all_to_all plan
@@ -177,8 +175,8 @@ class StreamOrdered(Pending):
             CollectiveTimeout: it (or an operation before it) did not complete in time.
             CollectiveError: NCCL reported an error.
         """
-        while not self.query():
-            time.sleep(_SYNC_POLL)
+        # No deadline of its own: the watchdog ends a stalled operation, and query() raises.
+        poll(self.query, math.inf)
 
 
 class HostPolled(StreamOrdered):
