@@ -21,17 +21,19 @@ from smddp._topology import Topology
 from smddp.comm import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
+from smddp.comm.groups import group_topology, subgroup_communicators
 from smddp.comm.nccl import NCCL_2_10, NCCLCommunicator
 from smddp.errors import CollectiveError, CollectiveTimeout, InvalidTypeError
 
 JOIN = 60.0  # seconds a rank's thread may take at most: a hang fails the test instead
 
 
-def run_ranks(fake, size: int, body, timeout: float = 20.0):
+def run_ranks(fake, size: int, body, timeout: float = 20.0, with_store: bool = False):
     """``body(rank, engine, comm)`` on ``size`` ranks (threads); returns ``{rank: result}``.
 
     Each rank has its own NCCLCommunicator and engine with the given ``timeout``, over one
-    TCPStore; engines and communicators are closed afterwards whatever happened.
+    TCPStore (passed as a fourth argument with ``with_store``); engines and communicators
+    are closed afterwards whatever happened.
     """
     master = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                             timeout=timedelta(seconds=30))
@@ -50,7 +52,7 @@ def run_ranks(fake, size: int, body, timeout: float = 20.0):
             # the stand-in's tensors live on the CPU: route them to the NCCL communicator
             engine = Engine({"cpu": nccl_comm}, timeout=timeout, store=store)
             ready.wait()
-            results[r] = body(r, engine, nccl_comm)
+            results[r] = body(r, engine, nccl_comm, *((store,) if with_store else ()))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
             ready.abort()
@@ -373,3 +375,40 @@ def test_a_barrier_blocks_the_host_until_its_deadline(monkeypatch):
 
     message, aborted = run_ranks(fake, 2, body, timeout=2.0)[0]
     assert "barrier (sequence number 1)" in message and aborted
+
+
+def test_a_subgroup_times_out_naming_global_ranks(fake):
+    """Global ranks 0 and 2 form a group; rank 2 skips its second all_reduce."""
+    group = [0, 2]
+    done = threading.Barrier(3, timeout=JOIN)
+
+    def body(r, engine, nccl_comm, store):
+        if r not in group:
+            done.wait()
+            return None
+        world = Topology(rank=r, size=3, local_rank=r, local_size=3, launcher="torchrun")
+        ctx = Context(group_topology(world, group), timedelta(seconds=2), tdist.PrefixStore("pair", store))
+        comms = subgroup_communicators({"cpu": nccl_comm}, group, ctx)
+        sub = Engine(comms, timeout=2.0, store=ctx.store)
+        sub.describe_group("pair", group)
+        try:
+            t = seeded(r, (5,), torch.float32)
+            sub.all_reduce(t, Op.SUM)
+            if r == 2:
+                done.wait()
+                return t, None
+            with pytest.raises(CollectiveTimeout) as err:
+                sub.all_reduce(torch.ones(5), Op.SUM)
+            done.wait()
+            return t, str(err.value)
+        finally:
+            sub.close()
+            _excepthook.forget(sub)
+            comms["cpu"].close()
+
+    results = run_ranks(fake, 3, body, timeout=20.0, with_store=True)
+    want = torch.stack([seeded(r, (5,), torch.float32) for r in group]).double().sum(0).float()
+    assert torch.equal(results[0][0], want) and torch.equal(results[2][0], want)
+    message = results[0][1]
+    assert "Ranks that never arrived: 2." in message, message
+    assert "process group 'pair', global ranks 0, 2" in message, message
