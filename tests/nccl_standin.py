@@ -212,17 +212,17 @@ class HostCommunicator:
     def _await(self, ready) -> None:
         """Wait (under the world's lock) until ``ready()``, or fail as an aborted NCCL call does.
 
-        A peer that aborted never arrives: NCCL reports that as an asynchronous error.
+        An operation started after a peer aborted fails at once, as NCCL reports a peer that
+        went away (an asynchronous error); one already waiting waits for its own abort.
         """
         w = self.world
-        if not w.cv.wait_for(lambda: self.aborted or w.aborted or ready(), STUCK):
+        if self.started_after_abort:
+            self.error = f"the NCCL communicator of rank {min(w.aborted)} was aborted"
+            raise RuntimeError(self.error)
+        if not w.cv.wait_for(lambda: self.aborted or ready(), STUCK):
             raise RuntimeError(f"stand-in: rank {self.rank} waited {STUCK:g} s for its peers")
-        if ready() and not self.started_after_abort:
-            return
-        if self.aborted:
+        if not ready():
             raise RuntimeError(f"NCCL communicator of rank {self.rank} was aborted")
-        self.error = f"the NCCL communicator of rank {min(w.aborted)} was aborted"
-        raise RuntimeError(self.error)
 
     def _exchange(self, value) -> list:
         """Every rank's ``value`` for this rank's next collective, in rank order."""
