@@ -10,7 +10,9 @@ Pending (and so every buffer it references) until it completes, whoever holds th
 Interface changes (issue 13): ``reduce_scatter(output, input, op, tag)`` is new and optional
 (the default raises NotImplementedError and the engine derives it from
 ``all_to_all_single``); half precision is reduced in float32 on every backend (:data:`HALF`,
-:func:`widened`). ``Pending`` is unchanged.
+:func:`widened`). ``Pending`` gains two optional hooks for stream-ordered operations
+(:meth:`Pending.waited`, :meth:`Pending.queue_after`), and a communicator that watches its
+own deadlines reports through :attr:`Communicator.on_timeout`.
 """
 
 from __future__ import annotations
