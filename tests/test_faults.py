@@ -298,3 +298,28 @@ def test_stall_report_words():
     p2p = stall.describe({1: statuses[1], 3: statuses[3]}, 5, "send to rank 1 (tag 0)")
     assert "never arrived" not in p2p and "different collectives" not in p2p
     assert p2p.startswith("Rank 1 is outside collectives") and "Rank 3 is waiting in sequence 5 (broadcast)" in p2p
+
+
+# ---------------------------------------------------------------------------- the one wait loop
+def test_poll_returns_false_once_the_deadline_has_passed():
+    from smddp.comm.handle import poll
+
+    calls = []
+
+    def done_much_later() -> bool:  # a poll that ignored its deadline would return True
+        calls.append(1)
+        return len(calls) > 1_000_000
+
+    # A deadline already past: poll gives up after its busy polls, never waiting.
+    assert poll(done_much_later, time.monotonic() - 1) is False
+    assert 1 < len(calls) < 100_000
+    blocks: List[float] = []
+    calls.clear()
+    assert poll(done_much_later, time.monotonic() - 1, block=blocks.append) is False and blocks == []
+    # Done on the third test: True, with the waits in between going through block or pause.
+    state = iter([False, False, True])
+    assert poll(lambda: next(state), float("inf"), block=blocks.append) is True
+    assert len(blocks) == 2 and all(0 < s <= 0.5 for s in blocks)
+    pauses = []
+    state = iter([False, True])
+    assert poll(lambda: next(state), float("inf"), pause=lambda: pauses.append(1)) is True and pauses == [1]
