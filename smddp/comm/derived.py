@@ -245,7 +245,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
 class Joined:
     """Several handles as one: done when all are, failed with the first error.
 
-    It has what :class:`~smddp.torch.process_group.Work` asks of a handle.
+    It has what :class:`~smddp.torch._work.Work` asks of a handle.
     """
 
     def __init__(self, handles: Sequence[Handle]):

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as tdist
@@ -26,6 +26,7 @@ from smddp.comm.engine import Engine, Handle
 from smddp.comm.handle import poll
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _compat, _groups, _native, _rendezvous
+from smddp.torch._work import RecvWork, Work
 
 BACKEND_NAME = "smddp"
 
@@ -54,77 +55,6 @@ def torch_op(reduce_op) -> Op:
         raise InvalidArgumentError(
             f"the smddp backend does not support ReduceOp {reduce_op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
         ) from None
-
-
-class Work(_compat.WorkBase):
-    """torch's Work over an engine :class:`~smddp.comm.engine.Handle`."""
-
-    def __init__(self, handle: Handle, result: List[torch.Tensor]):
-        super().__init__()
-        self._handle = handle
-        self._result = result
-        self._future: Optional[torch.futures.Future] = None
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the group's timeout applies
-        self._handle.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._handle.is_completed()
-
-    def is_success(self) -> bool:
-        return self._handle.is_completed() and self._handle.exception() is None
-
-    def exception(self):
-        return self._handle.exception()
-
-    def result(self) -> List[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            # CUDA tensors (nccl, torch-nccl): a CUDA-aware future, as torch's NCCL Work gives.
-            # It completes when the operation is enqueued, with an event recorded after it, so
-            # its value is ready for every kernel queued after wait() or in then() callbacks.
-            devices = sorted({t.device for t in self._result if t.is_cuda}, key=str)
-            future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-
-            def complete(handle: Handle) -> None:
-                error = handle.exception()
-                if error is None and devices:
-                    try:
-                        # A pool stream, not the completing thread's current one: that may be
-                        # the caller's own, which must not wait for the collective.
-                        with torch.cuda.stream(torch.cuda.Stream(devices[0])):
-                            handle.order_current_stream()
-                            future.set_result(self._result)
-                        return
-                    except Exception as exc:  # noqa: BLE001 - the communicator failed since
-                        error = exc
-                future.set_result(self._result if error is None else _Failed(error))
-
-            # Future.set_exception() completes the future with the exception *as its value*,
-            # which C++ consumers (DDP's reducer) read as tensors and crash on; an error
-            # raised in a then() callback is a real error that they rethrow.
-            self._future = future.then(_value_or_raise)
-            self._handle.add_done_callback(complete)
-        return self._future
-
-
-class _Failed:
-    """The value a Work's inner future carries when the operation failed."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def _value_or_raise(future: torch.futures.Future):
-    value = future.value()
-    if isinstance(value, _Failed):
-        raise value.error
-    return value
 
 
 def _single(tensors, what: str) -> torch.Tensor:
@@ -307,7 +237,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             handle, source = derived.recv(self.engine, tensor, srcRank, tag)
         except BackendUnavailableError:
             return self._native(tensor, "recv").recv(tensors, srcRank, tag)
-        return _RecvWork(handle, [tensor], source)
+        return RecvWork(handle, [tensor], source)
 
     def recv_anysource(self, tensors, tag=0):
         tensor = _single(tensors, "recv")
@@ -315,7 +245,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             handle, source = derived.recv(self.engine, tensor, None, tag)
         except BackendUnavailableError:
             return self._native(tensor, "recv").recv_anysource(tensors, tag)
-        return _RecvWork(handle, [tensor], source)
+        return RecvWork(handle, [tensor], source)
 
     def _native(self, tensor: torch.Tensor, what: str):
         try:
@@ -325,18 +255,6 @@ class SmddpProcessGroup(tdist.ProcessGroup):
                 f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "
                 f"{tensor.device.type} tensors point-to-point here"
             ) from None
-
-
-class _RecvWork(Work):
-    """A receive's Work: ``_source_rank()`` tells torch who sent (``recv(src=None)``)."""
-
-    def __init__(self, handle, result, source):
-        super().__init__(handle, result)
-        self._source = source
-
-    def _source_rank(self) -> int:
-        self.wait()
-        return self._source()
 
 
 def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:
