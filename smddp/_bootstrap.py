@@ -53,12 +53,27 @@ def _prepare_environment() -> Topology:
         _runtime.fill(os.environ, topo)
     except InvalidArgumentError as exc:
         print(f"smddp: error: {exc}", file=sys.stderr, flush=True)
-        abort_mpi(2)  # the broadcast of MASTER_ADDR may have started MPI: end every rank
+        _join_mpi_job()
+        abort_mpi(2)  # the other ranks may be inside MPI (MASTER_ADDR's broadcast): end them all
         raise SystemExit(2) from None
     except ValueError as exc:
         print(f"smddp: cannot read this process's rank ({exc}); assuming a world of one", file=sys.stderr)
         return Topology()
     return topo
+
+
+def _join_mpi_job() -> None:
+    """Start MPI when an MPI launcher started this process, so that ``MPI_Abort`` ends every rank.
+
+    A rank that exits before MPI starts leaves the ranks already inside MPI waiting for it, and
+    Open MPI 5 does not always end them when it sees that exit (the job then hangs).
+    """
+    if not any(name in os.environ for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        return
+    try:
+        from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
+    except Exception:  # noqa: BLE001 - no usable MPI: the launcher ends the job on our exit
+        return
 
 
 def _follow_launcher() -> None:
