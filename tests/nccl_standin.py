@@ -1,4 +1,4 @@
-"""CuPy's NCCL on host memory, for running :class:`smddp.comm.nccl.NCCLCommunicator` without a GPU.
+"""CuPy's NCCL on host memory, for running :class:`smddp.comm.backends.nccl.NCCLCommunicator` without a GPU.
 
 CuPy's NCCL calls take raw device pointers and a stream handle. :class:`HostNccl` performs
 them on host memory; ranks are threads of one process that meet per operation. CUDA streams
@@ -318,9 +318,9 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     Returns:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
     """
-    import smddp.comm.nccl as nccl_module
-    import smddp.comm.nccl_uid as uid_module
-    import smddp.comm.stall as stall_module
+    import smddp.comm.backends.nccl as nccl_module
+    import smddp.comm.backends.nccl_uid as uid_module
+    import smddp.comm.engine.stall as stall_module
 
     fake = HostNccl()
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))

@@ -24,10 +24,8 @@ import torch.distributed as tdist
 import smddp.comm as comm
 from smddp._topology import Topology
 from smddp.comm import BACKENDS, Probe, choose_backend
-from smddp.comm.base import Communicator, Context, Done, Op, Pending
-from smddp.comm.devices import check_device, companion_backend, pick_device, with_cpu_companion
-from smddp.comm.engine import Engine
-from smddp.comm.nccl import (
+from smddp.comm.backends.devices import check_device, companion_backend, pick_device, with_cpu_companion
+from smddp.comm.backends.nccl import (
     NCCL_2_10,
     NCCLCommunicator,
     all_to_all_plan,
@@ -37,7 +35,9 @@ from smddp.comm.nccl import (
     share_unique_id,
     stream_mode,
 )
-from smddp.comm.torch_native import TorchBackendCommunicator, WorkPending
+from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
+from smddp.comm.base import Communicator, Context, Done, Op, Pending
+from smddp.comm.engine import Engine
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +187,7 @@ def test_importing_device_backends_loads_no_device_library(monkeypatch, module):
     # module-level import of CuPy, mpi4py.MPI (it would start MPI) or oneCCL raises here.
     for name in ("cupy", "cupy.cuda", "mpi4py", "mpi4py.MPI", "oneccl_bindings_for_pytorch"):
         monkeypatch.setitem(sys.modules, name, None)
-    path = ROOT / "smddp" / "comm" / f"{module}.py"
+    path = ROOT / "smddp" / "comm" / "backends" / f"{module}.py"
     spec = importlib.util.spec_from_file_location(f"_fresh_{module}", path)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from smddp._topology import Topology
-from smddp.comm import debug, stall
+from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.base import Context
-from smddp.comm.engine import Engine
-from smddp.comm.local import LocalCommunicator
+from smddp.comm.engine import Engine, debug, stall
 
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
@@ -302,7 +301,7 @@ def test_stall_report_words():
 
 # ---------------------------------------------------------------------------- the one wait loop
 def test_poll_returns_false_once_the_deadline_has_passed():
-    from smddp.comm.handle import poll
+    from smddp.comm.engine.handle import poll
 
     calls = []
 

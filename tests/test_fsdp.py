@@ -14,7 +14,7 @@ import torch.distributed as tdist
 
 import smddp
 import smddp.torch.distributed as dist
-from smddp.comm import derived
+from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
 
 from launchers import mpirun, python, rank_lines

@@ -16,10 +16,10 @@ import torch.distributed as tdist
 from test_backend_selection import X86_ID, _fake_cupy
 
 from smddp._topology import Topology
+from smddp.comm.backends.local import LocalCommunicator
+from smddp.comm.backends.nccl import share_unique_id
 from smddp.comm.base import Context
 from smddp.comm.groups import group_topology, members, subgroup_communicators
-from smddp.comm.local import LocalCommunicator
-from smddp.comm.nccl import share_unique_id
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 from launchers import mpirun, rank_lines, torchrun

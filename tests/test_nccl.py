@@ -18,11 +18,11 @@ from nccl_standin import HostStream, install
 
 from smddp import _excepthook
 from smddp._topology import Topology
-from smddp.comm import derived
+from smddp.comm.algorithms import derived
+from smddp.comm.backends.nccl import NCCL_2_10, NCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.groups import group_topology, subgroup_communicators
-from smddp.comm.nccl import NCCL_2_10, NCCLCommunicator
 from smddp.errors import CollectiveError, CollectiveTimeout, InvalidTypeError
 
 JOIN = 60.0  # seconds a rank's thread may take at most: a hang fails the test instead

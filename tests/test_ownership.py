@@ -49,7 +49,7 @@ def test_mpi_thread_level_checked(level, refused):
     code = (
         "import mpi4py\n"
         f"mpi4py.rc.thread_level = {level!r}\n"
-        "from smddp.comm import mpi\n"
+        "from smddp.comm.backends import mpi\n"
         "try:\n"
         "    mpi._check_thread_level()\n"
         "except mpi.BackendUnavailableError as exc:\n"

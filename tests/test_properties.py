@@ -12,7 +12,7 @@ import time
 import pytest
 
 import smddp.torch.distributed as dist
-from smddp.comm.debug import Checker
+from smddp.comm.engine.debug import Checker
 
 from launchers import SCRIPTS, mpirun, rank_lines
 

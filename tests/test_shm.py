@@ -90,7 +90,7 @@ def test_kill_9_leaves_nothing_behind():
 
 
 def test_sweep_removes_only_segments_of_dead_processes(tmp_path):
-    from smddp.comm.shm_segment import sweep_stale
+    from smddp.comm.backends.shm_segment import sweep_stale
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -1,4 +1,10 @@
-"""Communicators, one small module per backend, and the registry that picks one.
+"""smddp's communication: the registry that picks a backend, and the parts beneath it.
+
+- :mod:`smddp.comm.engine`: runs every collective (order, checks, deadlines, failures);
+- :mod:`smddp.comm.backends`: one communicator module per library;
+- :mod:`smddp.comm.algorithms`: collectives built from the engine's own;
+- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.groups`
+  (subgroups) and :mod:`smddp.comm.rendezvous` (the job's store).
 
 Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
 environment variable, then :func:`choose_backend`'s automatic choice. Modules are
@@ -45,13 +51,13 @@ class BackendInfo:
 BACKENDS: Dict[str, BackendInfo] = {
     info.name: info
     for info in (
-        BackendInfo("mpi", "smddp.comm.planes:PlaneCommunicator", "cpu",
+        BackendInfo("mpi", "smddp.comm.backends.planes:PlaneCommunicator", "cpu",
                     MPI_INSTALL,
                     "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
-        BackendInfo("gloo", "smddp.comm.gloo:GlooCommunicator", "cpu",
+        BackendInfo("gloo", "smddp.comm.backends.gloo:GlooCommunicator", "cpu",
                     "a torch build with gloo (every official wheel has it)",
                     "torch's gloo; CPU tensors; the default under torchrun or without mpi4py"),
-        BackendInfo("local", "smddp.comm.local:LocalCommunicator", "cpu",
+        BackendInfo("local", "smddp.comm.backends.local:LocalCommunicator", "cpu",
                     "nothing", "a world of one process: no communication at all"),
     )
 }
@@ -63,15 +69,15 @@ def register(info: BackendInfo) -> None:
 
 
 # Device backends: each moves its device's tensors; its class's build(ctx) adds a CPU
-# communicator for CPU tensors (smddp/comm/devices.py).
+# communicator for CPU tensors (smddp/comm/backends/devices.py).
 for _info in (
-    BackendInfo("nccl", "smddp.comm.nccl:NCCLCommunicator", "cuda", CUDA_INSTALL,
+    BackendInfo("nccl", "smddp.comm.backends.nccl:NCCLCommunicator", "cuda", CUDA_INSTALL,
                 "NCCL through CuPy on torch's current CUDA stream; the default on CUDA"),
-    BackendInfo("torch-nccl", "smddp.comm.torch_native:TorchNCCLCommunicator", "cuda",
+    BackendInfo("torch-nccl", "smddp.comm.backends.torch_native:TorchNCCLCommunicator", "cuda",
                 TORCH_CUDA_INSTALL, "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
-    BackendInfo("xccl", "smddp.comm.torch_native:XCCLCommunicator", "xpu", XPU_INSTALL,
+    BackendInfo("xccl", "smddp.comm.backends.torch_native:XCCLCommunicator", "xpu", XPU_INSTALL,
                 "Intel GPUs: torch's XCCL, else oneCCL's bindings; the default on XPU"),
-    BackendInfo("ccl", "smddp.comm.torch_native:CCLCommunicator", "xpu", XPU_INSTALL,
+    BackendInfo("ccl", "smddp.comm.backends.torch_native:CCLCommunicator", "xpu", XPU_INSTALL,
                 "Intel's oneccl_bindings_for_pytorch on XPU and CPU tensors"),
 ):
     register(_info)
@@ -229,7 +235,7 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
         BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
     """
     if name == "mpi":
-        from smddp.comm.planes import requested_plane
+        from smddp.comm.backends.planes import requested_plane
 
         if requested_plane() == "gloo":  # SMDDP_CPU_PLANE pins gloo for CPU tensors
             name = "gloo"

@@ -216,7 +216,7 @@ class Communicator(abc.ABC):
         """Reduce flat ``input`` (``size * output.numel()`` elements) over ranks; rank r gets slice r.
 
         Optional: a backend without a native reduce-scatter keeps this default, and the engine
-        builds it from ``all_to_all_single`` (:func:`smddp.comm.derived.reduce_scatter_tensor`).
+        builds it from ``all_to_all_single`` (:func:`smddp.comm.algorithms.derived.reduce_scatter_tensor`).
         Half precision is reduced in float32 (:data:`HALF`); AVERAGE divides the sum by ``size``.
 
         Args:

@@ -86,7 +86,7 @@ def subgroup_communicators(parent: Dict[str, Communicator], ranks: Sequence[int]
 
 def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator:
     if len(ranks) == 1:
-        from smddp.comm.local import LocalCommunicator
+        from smddp.comm.backends.local import LocalCommunicator
 
         return LocalCommunicator(ctx)
     make = getattr(comm, "subgroup", None)
@@ -100,7 +100,7 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
                 f"a subgroup of the {comm.name!r} backend needs the group's store; create it with "
                 f"torch.distributed.new_group, which provides one"
             )
-        from smddp.comm.gloo import GlooCommunicator
+        from smddp.comm.backends.gloo import GlooCommunicator
 
         return GlooCommunicator(ctx)
     raise BackendUnavailableError(

@@ -20,10 +20,10 @@ import torch.distributed as tdist
 
 from smddp import comm
 from smddp._topology import Topology, discover
-from smddp.comm import derived
+from smddp.comm.algorithms import derived
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine, Handle
-from smddp.comm.handle import poll
+from smddp.comm.engine.handle import poll
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _compat, _groups, _native, _rendezvous
 from smddp.torch._work import RecvWork, Work
@@ -164,7 +164,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def barrier(self, opts=None):
         return Work(self.engine.barrier(async_op=True), [])
 
-    # the rest of torch's ProcessGroup, built in smddp.comm.derived
+    # the rest of torch's ProcessGroup, built in smddp.comm.algorithms.derived
     all_gather_single = _allgather_base  # torch >= 2.13 calls it by this name
 
     def _reduce_scatter_base(self, output, input, opts=None):

@@ -15,7 +15,7 @@ import time
 import torch
 
 import smddp.torch.distributed as dist
-from smddp.comm import derived
+from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
 from smddp.torch import process_group
 

@@ -24,7 +24,7 @@ import torch
 torch.set_num_threads(1)
 
 import smddp.torch.distributed as dist  # noqa: E402
-from smddp.comm import derived  # noqa: E402
+from smddp.comm.algorithms import derived  # noqa: E402
 from smddp.comm.base import Op  # noqa: E402
 from smddp.torch import process_group  # noqa: E402
 

@@ -15,7 +15,7 @@ buffers. No trailing barrier: the epoch words order everything.
   waits long, so the engine's deadline, its progress thread and its timeouts apply as
   they do to MPI.
 
-The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.shm_segment`'s.
+The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 
 The epoch words rely on x86-64's ordering of stores (data before flag); elsewhere
 :func:`supported` is False and the MPI plane is used.
@@ -32,9 +32,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
 from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, Pending, average, combine
-from smddp.comm.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
 from smddp.errors import CollectiveError
 
 #: All-reduces up to this many bytes run in one step (every rank reduces everything).
@@ -254,7 +254,7 @@ class Plane:
         part with the same local rank of every other host (MPI, float32 for half types), and
         the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
         """
-        from smddp.comm.mpi import _buffer
+        from smddp.comm.backends.mpi import _buffer
 
         flat = tensor.view(-1)
         per_step = self.slot // flat.element_size()

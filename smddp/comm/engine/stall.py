@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional
 
-from smddp.comm.handle import poll
+from smddp.comm.engine.handle import poll
 
 #: Seconds a timed-out rank waits for the other ranks' answers.
 ANSWER_WAIT = 3.0

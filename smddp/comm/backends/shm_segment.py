@@ -4,7 +4,7 @@ Shared memory per host: ``4096 + local_size * 2 * SMDDP_SHM_SLOT_BYTES`` bytes (
 slot 4 MiB: 8 MiB per rank). The segment is unlinked as soon as every rank has mapped it,
 so a job killed with ``kill -9`` leaves nothing in /dev/shm; a segment left by a crash
 during set-up (its creator's pid gone) is removed by the next job's set-up.
-:mod:`smddp.comm.shm` runs the collectives over it.
+:mod:`smddp.comm.backends.shm` runs the collectives over it.
 """
 
 from __future__ import annotations

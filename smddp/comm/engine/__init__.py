@@ -18,9 +18,9 @@ Every collective, whether it comes from smddp's own functions or from
 - owns every asynchronous operation until it completes, and completes a group's
   collectives in issue order: dropping a handle never changes a result.
 
-The engine inherits its argument checks (:mod:`smddp.comm.checks`) and its failure state
-and reports (:mod:`smddp.comm.health`); a caller's view of an operation in flight is a
-:class:`~smddp.comm.handle.Handle` (:mod:`smddp.comm.handle`).
+The engine inherits its argument checks (:mod:`smddp.comm.engine.checks`) and its failure state
+and reports (:mod:`smddp.comm.engine.health`); a caller's view of an operation in flight is a
+:class:`~smddp.comm.engine.handle.Handle` (:mod:`smddp.comm.engine.handle`).
 
 Thread model (docs/architecture.md has the whole of it): any thread may start a collective
 (numbering and starting are one step, under ``_start_lock``); operations in flight are
@@ -40,11 +40,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from smddp.comm import debug as _debug
 from smddp.comm.base import DONE, Communicator, Op, Pending, Then
-from smddp.comm.checks import Checks
-from smddp.comm.handle import Handle, poll
-from smddp.comm.health import Health
+from smddp.comm.engine import debug as _debug
+from smddp.comm.engine.checks import Checks
+from smddp.comm.engine.handle import Handle, poll
+from smddp.comm.engine.health import Health
 from smddp.errors import CollectiveError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Engine", "Handle"]
@@ -61,7 +61,7 @@ class Engine(Health, Checks):
             the job's primary backend.
         timeout: seconds a collective may take before :class:`CollectiveTimeout`.
         store: the job's torch ``Store``; with it, a timed-out rank asks the others where
-            they are and names the ones that never arrived (:mod:`smddp.comm.stall`).
+            they are and names the ones that never arrived (:mod:`smddp.comm.engine.stall`).
     """
 
     def __init__(self, comms: Dict[str, Communicator], timeout: float, store=None):
@@ -103,7 +103,7 @@ class Engine(Health, Checks):
         """Number and start a collective; wait for it here unless ``async_op``.
 
         ``check`` (built only under ``SMDDP_DEBUG``) describes the call for
-        :meth:`smddp.comm.debug.Checker.check`, which compares it across ranks first.
+        :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks first.
 
         Returns:
             A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.

@@ -1,11 +1,11 @@
 """The MPI backend's CPU data planes: shared memory within a host, hierarchical across hosts.
 
 :class:`PlaneCommunicator` is the ``mpi`` backend's communicator for CPU tensors. It owns an
-:class:`~smddp.comm.mpi.MPICommunicator` and picks, once at start-up, how collectives move:
+:class:`~smddp.comm.backends.mpi.MPICommunicator` and picks, once at start-up, how collectives move:
 
 - ``shm``: every rank of the job is on one host (MPI's ``COMM_TYPE_SHARED`` split says so):
   all_reduce, reduce_scatter, all_gather, broadcast and barrier go through shared memory
-  (:mod:`smddp.comm.shm`);
+  (:mod:`smddp.comm.backends.shm`);
 - ``hierarchical``: several hosts with the same number of ranks each: all_reduce is a
   reduce-scatter within the host (shared memory), an all-reduce of each rank's part between
   hosts (MPI) and an all-gather within the host; the other collectives go through MPI;
@@ -25,10 +25,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm import debug
+from smddp.comm.backends.mpi import _MPI_OPS, _MPI_TYPES, MPI, MPICommunicator
+from smddp.comm.backends.shm import Plane, open_plane
 from smddp.comm.base import Context, Op, Pending
-from smddp.comm.mpi import _MPI_OPS, _MPI_TYPES, MPI, MPICommunicator
-from smddp.comm.shm import Plane, open_plane
+from smddp.comm.engine import debug
 from smddp.errors import BackendUnavailableError
 
 ENV = "SMDDP_CPU_PLANE"

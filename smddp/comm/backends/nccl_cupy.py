@@ -6,8 +6,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from smddp.comm.backends.devices import CUDA_INSTALL
 from smddp.comm.base import Op
-from smddp.comm.devices import CUDA_INSTALL
 from smddp.errors import BackendUnavailableError
 
 #: NCCL's ``ncclDataType_t`` values (nccl.h), used where CuPy lacks the constant

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from smddp.comm.base import Communicator, Op
-from smddp.comm.handle import poll
-from smddp.comm.stall import UNEVEN_BATCHES_HINT, ranks_text
+from smddp.comm.engine.handle import poll
+from smddp.comm.engine.stall import UNEVEN_BATCHES_HINT, ranks_text
 from smddp.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:

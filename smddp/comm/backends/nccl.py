@@ -23,7 +23,7 @@ The default on CUDA machines. How it runs:
   ``barrier()`` does block the host until every rank arrived, as torch's NCCL barrier does.
 - Deadlines: every operation is watched, from before its NCCL call until the CUDA event
   recorded after it completes, by the communicator's watchdog thread
-  (:mod:`smddp.comm.nccl_watch`), against the job's timeout (``SMDDP_TIMEOUT``,
+  (:mod:`smddp.comm.backends.nccl_watch`), against the job's timeout (``SMDDP_TIMEOUT``,
   ``init_process_group(timeout=...)``). When one passes, the engine's stall report names
   the ranks that never arrived, the communicator is aborted (``ncclCommAbort``: stalled
   kernels and calls end) and the next call or wait raises
@@ -42,12 +42,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
+from smddp.comm.backends.nccl_cupy import NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops
+from smddp.comm.backends.nccl_uid import next_generation, share_unique_id
+from smddp.comm.backends.nccl_watch import Watchdog, Watched
 from smddp.comm.base import Communicator, Context, Op, Pending, average
-from smddp.comm.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.handle import poll
-from smddp.comm.nccl_cupy import NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops
-from smddp.comm.nccl_uid import next_generation, share_unique_id
-from smddp.comm.nccl_watch import Watchdog, Watched
+from smddp.comm.engine.handle import poll
 from smddp.errors import BackendUnavailableError, CollectiveError, CollectiveTimeout, InvalidArgumentError
 
 __all__ = ["NCCL_2_10", "NCCLCommunicator", "all_to_all_plan", "load_nccl", "nccl_dtypes", "nccl_ops",

@@ -6,7 +6,7 @@ reports failure:
 - a job is broken by its first failure (a timeout, a library error, an interrupt) and
   every later collective fails at once (:meth:`Health._check_usable`);
 - errors name the collective, its sequence number and this rank (its global rank in a
-  subgroup), and, through :mod:`smddp.comm.stall`, where the other ranks are;
+  subgroup), and, through :mod:`smddp.comm.engine.stall`, where the other ranks are;
 - at exit (:mod:`smddp._excepthook`) a broken job ends every rank, and a healthy one leaves
   a note for the ranks that may still wait for it.
 """
@@ -19,11 +19,11 @@ import time
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from smddp import _excepthook
-from smddp.comm import stall as _stall
+from smddp.comm.engine import stall as _stall
 from smddp.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
-    from smddp.comm.handle import Handle
+    from smddp.comm.engine.handle import Handle
 
 
 class Health:

@@ -1,0 +1,1 @@
+"""Collectives built from the engine's own (:mod:`smddp.comm.algorithms.derived`)."""
