@@ -16,6 +16,7 @@ SageMaker's runner gives it, then runs the program as ``python script.py args`` 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
 import signal
@@ -31,6 +32,9 @@ from smddp.errors import InvalidArgumentError
 __all__ = ["LAUNCHER_PID_ENV", "ALIAS_ENV", "main"]
 #: ``0`` turns the smdistributed import alias off.
 ALIAS_ENV = "SMDDP_ALIAS_SMDISTRIBUTED"
+#: Seconds a rank that fails before MPI started tries to start it to abort the job (_end_mpi_job).
+_JOIN_MPI_S = 5.0
+_watchdog_sink = None
 
 _USAGE = "usage: python -m smddp._bootstrap [-m module | script.py] [args ...]"
 
@@ -53,8 +57,7 @@ def _prepare_environment() -> Topology:
         _runtime.fill(os.environ, topo)
     except InvalidArgumentError as exc:
         print(f"smddp: error: {exc}", file=sys.stderr, flush=True)
-        _join_mpi_job()
-        abort_mpi(2)  # the other ranks may be inside MPI (MASTER_ADDR's broadcast): end them all
+        _end_mpi_job(2)
         raise SystemExit(2) from None
     except ValueError as exc:
         print(f"smddp: cannot read this process's rank ({exc}); assuming a world of one", file=sys.stderr)
@@ -62,18 +65,27 @@ def _prepare_environment() -> Topology:
     return topo
 
 
-def _join_mpi_job() -> None:
-    """Start MPI when an MPI launcher started this process, so that ``MPI_Abort`` ends every rank.
+def _end_mpi_job(code: int) -> None:
+    """End every rank of an MPI launcher's job from a rank that fails before MPI started.
 
-    A rank that exits before MPI starts leaves the ranks already inside MPI waiting for it, and
-    Open MPI 5 does not always end them when it sees that exit (the job then hangs).
+    The other ranks may already be inside MPI (MASTER_ADDR's broadcast, or their own init):
+    Open MPI 5 does not always end them when this rank just exits, so this rank starts MPI and
+    calls ``MPI_Abort``. If they are not inside MPI, starting it may wait for them forever, with
+    the interpreter's lock held: faulthandler's own thread, which needs no lock, ends this
+    process after ``_JOIN_MPI_S`` seconds, and the launcher ends the job on that exit.
     """
     if not any(name in os.environ for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         return
+    global _watchdog_sink
+    _watchdog_sink = open(os.devnull, "w")  # noqa: SIM115 - must outlive this call
+    faulthandler.dump_traceback_later(_JOIN_MPI_S, exit=True, file=_watchdog_sink)
     try:
         from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
     except Exception:  # noqa: BLE001 - no usable MPI: the launcher ends the job on our exit
+        faulthandler.cancel_dump_traceback_later()
         return
+    abort_mpi(code)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _follow_launcher() -> None:

@@ -16,7 +16,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -79,12 +79,37 @@ def run(cmd: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # mpirun puts its ranks in process groups of their own: kill every descendant too.
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}"
         ) from None
     return Result(proc.returncode, out, err)
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (children, their children, ...), read from /proc."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def mpirun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None,
