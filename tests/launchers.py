@@ -51,6 +51,9 @@ class Result:
         return self
 
 
+_SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 def base_env(extra: Optional[Mapping[str, str]] = None) -> dict:
     env = dict(os.environ)
     for name in list(env):
@@ -71,7 +74,19 @@ def base_env(extra: Optional[Mapping[str, str]] = None) -> dict:
 
 def run(cmd: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None) -> Result:
-    """Run ``cmd`` in its own process group; kill the whole group on timeout."""
+    """Run ``cmd`` in its own process group; kill the whole group on timeout.
+
+    Open MPI's shared-memory files go to a directory of this run's, removed afterwards: a job
+    that ends in MPI_Abort (as several tests' jobs must) leaves them behind otherwise.
+    """
+    shm_dir = Path(tempfile.mkdtemp(prefix="smddp-test-ompi-", dir=_SHM_ROOT))
+    try:
+        return _run(cmd, timeout, {"OMPI_MCA_btl_sm_backing_directory": str(shm_dir), **(env or {})}, cwd)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def _run(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd: Optional[str]) -> Result:
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=base_env(env), cwd=cwd or str(ROOT), start_new_session=True,
