@@ -170,7 +170,7 @@ def rank_lines(output: str, prefix: str) -> dict:
     """``{rank: rest}`` from lines ``PREFIX <rank> <rest>`` printed by each rank."""
     found = {}
     for line in output.splitlines():
-        line = _TAG.sub("", line)  # mpirun --tag-output / smddprun: "[1,0]<stdout>: "
+        line = _TAG.sub("", line)  # mpirun --tag-output / smddprun "[1,0]<stdout>: ", torchrun --tee "[default1]:"
         parts = line.split(None, 2)
         if len(parts) >= 2 and parts[0].endswith(prefix):
             found[int(parts[1])] = parts[2] if len(parts) > 2 else ""
