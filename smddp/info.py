@@ -278,9 +278,27 @@ def collect(env=None) -> Dict[str, Any]:
     report["backends"] = _backends(child, env)
     if "child_error" in child:
         report["backends"]["error"] = child["child_error"]
+    report["shm"] = _shm_core(env)
     report["gpus"] = gpus
     report["environment"] = _environment()
     return report
+
+
+def _shm_core(env) -> Dict[str, Any]:
+    """Which implementation runs the shared-memory CPU plane here, and why."""
+    from smddp.comm.backends import shm, shm_segment
+
+    info: Dict[str, Any] = {"supported": shm_segment.supported(), "compiled": shm.native is not None,
+                            "path": getattr(shm.native, "__file__", None)}
+    if not info["supported"]:
+        info["runs"] = "none (the plane needs x86-64 Linux with /dev/shm: CPU collectives use MPI)"
+    elif shm.native_wanted(env):
+        info["runs"] = "compiled core"
+    elif shm.native is None:
+        info["runs"] = "Python path (the compiled core was not built: no C compiler at install?)"
+    else:
+        info["runs"] = "Python path (SMDDP_SHM_NATIVE turns the compiled core off)"
+    return info
 
 
 def _yes(flag) -> str:
@@ -342,6 +360,9 @@ def format_report(report: Dict[str, Any]) -> str:
     add(f"  SMDDP_BACKEND {b['SMDDP_BACKEND'] or '(not set)'}")
     for label, name in b["auto"].items():
         add(f"  init_process_group() {label}: {name}")
+    shm_info = report.get("shm")
+    if shm_info:
+        add(f"  shared-memory CPU plane: {shm_info['runs']}")
     add("")
     topo = report["topology"]
     if "error" in topo:

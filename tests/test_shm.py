@@ -1,4 +1,8 @@
-"""The shared-memory CPU plane and the MPI backend's plane choice, in real mpirun jobs."""
+"""The shared-memory CPU plane and the MPI backend's plane choice, in real mpirun jobs.
+
+The plane runs in its compiled core (``_shm_native.c``, built by the README's install) and
+keeps a Python path as the fallback: both are run here, and must agree bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ def ours() -> set:
     return {p.name for p in SHM.glob("smddp-shm-*")} if SHM.is_dir() else set()
 
 
-def assert_all_ranks_passed(result, size: int, plane: str) -> None:
+def assert_all_ranks_passed(result, size: int, plane: str, core: str = "") -> None:
     assert result.returncode == 0, result.output
+    if core:
+        assert rank_lines(result.stdout, "CORE") == {r: core for r in range(size)}, result.output
     assert sorted(rank_lines(result.stdout, "PASSED")) == list(range(size)), result.output
     digests = rank_lines(result.stdout, "DIGEST")
     assert len(set(digests.values())) == 1, digests  # bitwise identical on every rank
@@ -34,18 +40,44 @@ def assert_all_ranks_passed(result, size: int, plane: str) -> None:
         assert set(used.values()) == {plane}, used
 
 
+def test_the_compiled_core_is_built():
+    # The README's install builds it; without it the plane runs (slower) in Python.
+    from smddp.comm.backends import shm
+
+    assert shm.native is not None, "smddp/comm/backends/_shm_native.c was not built: pip install -e . again"
+    assert shm.native_wanted({}) and not shm.native_wanted({"SMDDP_SHM_NATIVE": "0"})
+
+
 @pytest.mark.parametrize("np,slot", [(2, None), (3, 65536)])
 def test_every_collective_on_the_shm_plane(np, slot):
     before = ours()
     env = {"SMDDP_SHM_SLOT_BYTES": str(slot)} if slot else {"SMDDP_DEBUG": "1"}  # 64 KiB: in slices
     result = mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env=env)
-    assert_all_ranks_passed(result, np, "shm")
+    assert_all_ranks_passed(result, np, "shm", "native")
     assert ours() <= before  # nothing left in /dev/shm
     if not slot:  # SMDDP_DEBUG says which plane each collective took
         assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.stderr, result.stderr
         for rank in range(np):
             assert f"smddp: rank {rank}: all_reduce on the shm plane" in result.stderr, result.stderr
             assert f"smddp: rank {rank}: all_to_all_single on the mpi plane" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_compiled_core_and_python_path_agree_bit_for_bit(np):
+    # Same seeded inputs, random floats included: every result of the compiled core equals the
+    # Python path's, bit for bit (the same reduction order, float32 accumulation of halves).
+    env = {"SMDDP_SHM_SLOT_BYTES": "65536"}
+    native = mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env=env)
+    python = mpirun(np, [SCRIPT, "checks", "shm"], timeout=300, env={**env, "SMDDP_SHM_NATIVE": "0"})
+    assert_all_ranks_passed(native, np, "shm", "native")
+    assert_all_ranks_passed(python, np, "shm", "python")
+    assert rank_lines(native.stdout, "DIGEST") == rank_lines(python.stdout, "DIGEST")
+
+
+def test_ranks_without_the_compiled_core_take_the_python_path_together():
+    # One rank cannot use the core: every rank of the plane runs the Python path.
+    result = mpirun(3, [SCRIPT, "checks", "shm"], timeout=300, env={"SHM_CHECKS_PYTHON_ON_RANK": "1"})
+    assert_all_ranks_passed(result, 3, "shm", "python")
 
 
 def test_unknown_or_impossible_plane_is_an_error():

@@ -38,6 +38,10 @@ class Op(enum.Enum):
     MAX = "max"
     PRODUCT = "product"
 
+    # Members are singletons compared by identity: hash them in C, not with Enum's Python
+    # __hash__ (every collective looks its op up in a table).
+    __hash__ = object.__hash__
+
 
 def average(tensor: torch.Tensor, size: int) -> None:
     """Turn a SUM into smddp's AVERAGE in place: divide by ``size`` (integers round toward zero)."""

@@ -70,6 +70,8 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
 
+    __hash__ = object.__hash__  # singletons compared by identity: hashed in C (see _op)
+
 
 class _World:
     __slots__ = ()
@@ -82,6 +84,9 @@ class group:  # noqa: N801 - the reference's name
     """Process groups. Only ``group.WORLD``, every process of the job, is supported."""
 
     WORLD = _World()
+
+
+_WORLD = group.WORLD
 
 
 _OPS = {
@@ -131,6 +136,8 @@ def _check_tensor(tensor, what: str = "tensor") -> torch.Tensor:
 def _op(op) -> Op:
     if op is None:
         return Op.SUM
+    if op.__class__ is ReduceOp:  # the common case first: one lookup
+        return _OPS[op]
     key = getattr(op, "op", op)  # a torch ReduceOp object carries its type in .op
     try:
         if isinstance(key, (int, float)):  # torch's op enum compares equal to ints: 3 would mean MIN
@@ -350,9 +357,12 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Op
         CollectiveTimeout: the other ranks did not join within the timeout.
     """
     engine = _engine()
-    _check_group(group)
-    _check_tensor(tensor)
-    return _handle(engine.all_reduce(tensor, _op(op), async_op), async_op)
+    if group is not _WORLD:  # the checks' common case inline: the call costs microseconds
+        _check_group(group)
+    if not isinstance(tensor, torch.Tensor):
+        _check_tensor(tensor)
+    handle = engine.all_reduce(tensor, _OPS[op] if op.__class__ is ReduceOp else _op(op), async_op)
+    return handle if async_op else None
 
 
 def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Handle]:

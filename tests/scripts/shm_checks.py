@@ -7,7 +7,9 @@ must agree bit for bit), ``PLANES <rank> <collective:plane,...>``, then ``PASSED
 
 Modes: ``checks`` (every collective, dtype and op; async operations waited out of order),
 ``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
-not hang).
+not hang). ``CORE <rank> native|python`` says which implementation ran the shared-memory
+plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the compiled core off on rank R alone (the ranks
+must then agree on the Python path).
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ from smddp.torch import process_group  # noqa: E402
 MODE, PLANE = sys.argv[1], sys.argv[2]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
-# 5 elements: one step; 70,000: past a 64 KiB slot (sliced) for every dtype but int8/uint8.
-SIZES = [5, 70_000]
+# 5 elements: one step; 12,345: one step in the Python path, sliced in the compiled core
+# (above its 32 KiB one-shot limit) for most dtypes; 70,000: past a 64 KiB slot (sliced) for
+# every dtype but int8/uint8, and past the compiled core's 256 KiB steps for 8-byte dtypes.
+SIZES = [5, 12_345, 70_000]
 OPS = [Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT]
 
+if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK") == os.environ.get("OMPI_COMM_WORLD_RANK"):
+    os.environ["SMDDP_SHM_NATIVE"] = "0"
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()
 engine = process_group.current().engine
@@ -191,6 +197,9 @@ _REDUCE_OPS = {Op.SUM: dist.ReduceOp.SUM, Op.AVERAGE: dist.ReduceOp.AVERAGE, Op.
 
 assert getattr(comm, "plane", "gloo") == PLANE, (getattr(comm, "plane", None), PLANE)
 print(f"LOCAL {rank} {dist.get_local_rank()} {socket.gethostname()}", flush=True)
+shm_plane = getattr(comm, "_shm", None)
+if shm_plane is not None:
+    print(f"CORE {rank} {'native' if shm_plane.native else 'python'}", flush=True)
 if MODE == "kill":
     kill()
 else:

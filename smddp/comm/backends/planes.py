@@ -39,6 +39,9 @@ PLANES = ("auto", "shm", "hierarchical", "mpi", "gloo")
 HIERARCHICAL_MIN_BYTES = int(os.environ.get("SMDDP_HIERARCHICAL_MIN_BYTES", 256 * 1024))
 
 
+_SHM_ALL_REDUCE = ("all_reduce", "shm")
+
+
 def requested_plane(env=os.environ) -> str:
     """The plane ``SMDDP_CPU_PLANE`` asks for (``auto`` when unset).
 
@@ -83,6 +86,8 @@ class PlaneCommunicator(MPICommunicator):
             raise BackendUnavailableError(f"{ENV}={wanted} cannot be used in this job: {why}")
         if self._debug and self.rank == 0:
             print(f"smddp: CPU plane: {self.plane} ({why})", file=sys.stderr, flush=True)
+        if self.plane == "shm":
+            self.all_reduce = self._all_reduce_shm
 
     def _choose(self, wanted: str, local) -> Tuple[str, str]:
         local_size = local.Get_size()
@@ -113,15 +118,23 @@ class PlaneCommunicator(MPICommunicator):
             print(f"smddp: rank {self.rank}: {collective} on the {plane} plane", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- collectives
+    def _all_reduce_shm(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        """all_reduce on the shm plane: bound as ``self.all_reduce`` (one call less on the
+        path that small all-reduces take, where each costs a tenth of a microsecond)."""
+        counts = self.plane_counts
+        if _SHM_ALL_REDUCE in counts and not self._debug:
+            counts[_SHM_ALL_REDUCE] += 1
+        else:
+            self._used(*_SHM_ALL_REDUCE)
+        return self._shm.all_reduce(tensor, op)
+
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         if self.plane == "shm":
-            self._used("all_reduce", "shm")
-            return self._shm.start(self._shm.all_reduce(tensor, op))
+            return self._all_reduce_shm(tensor, op, tag)
         nbytes = tensor.numel() * tensor.element_size()
         if self.plane == "hierarchical" and nbytes >= HIERARCHICAL_MIN_BYTES:
             self._used("all_reduce", "hierarchical")
-            return self._shm.start(self._shm.all_reduce_across(
-                tensor, op, self._across, _MPI_OPS[op], _mpi_type, self.size))
+            return self._shm.all_reduce_across(tensor, op, self._across, _MPI_OPS[op], _mpi_type, self.size)
         self._used("all_reduce", "mpi")
         return super().all_reduce(tensor, op, tag)
 
@@ -129,21 +142,21 @@ class PlaneCommunicator(MPICommunicator):
         """Rank r receives the reduction of slice r of flat ``input`` (``size * output.numel()`` elements)."""
         if self.plane == "shm":
             self._used("reduce_scatter", "shm")
-            return self._shm.start(self._shm.reduce_scatter(output, input, op))
+            return self._shm.reduce_scatter(output, input, op)
         self._used("reduce_scatter", "mpi")
         return super().reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         if self.plane == "shm":
             self._used("broadcast", "shm")
-            return self._shm.start(self._shm.broadcast(tensor, src))
+            return self._shm.broadcast(tensor, src)
         self._used("broadcast", "mpi")
         return super().broadcast(tensor, src, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         if self.plane == "shm":
             self._used("all_gather", "shm")
-            return self._shm.start(self._shm.all_gather(output, input))
+            return self._shm.all_gather(output, input)
         self._used("all_gather", "mpi")
         return super().all_gather(output, input, tag)
 
@@ -155,7 +168,7 @@ class PlaneCommunicator(MPICommunicator):
     def barrier(self, tag: int) -> Pending:
         if self.plane == "shm":
             self._used("barrier", "shm")
-            return self._shm.start(self._shm.barrier())
+            return self._shm.barrier()
         self._used("barrier", "mpi")
         return super().barrier(tag)
 

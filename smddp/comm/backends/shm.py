@@ -6,19 +6,28 @@ rank's word shows it left the step before last (so this buffer is free again), c
 publish the new epoch, wait until the other ranks have published theirs, read their
 buffers. No trailing barrier: the epoch words order everything.
 
-- all_reduce up to :data:`ONE_SHOT_MAX` bytes is one step (every rank reduces every
-  buffer, in rank order, so every rank computes the same bits); larger ones run a
-  reduce-scatter and an all-gather per slice (each part reduced by exactly one rank).
+- a small all_reduce is one step (every rank reduces every buffer, in rank order, so every
+  rank computes the same bits); larger ones run a reduce-scatter and an all-gather per
+  slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``:
+  32 KiB by default in the compiled core, 1 MiB in the Python path.
 - float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does.
-- Operations are generators advanced by ``Pending.test()``, one at a time in issue order
-  (a later operation waits for the earlier ones to leave the buffers); ``test()`` never
-  waits long, so the engine's deadline, its progress thread and its timeouts apply as
-  they do to MPI.
+- Operations run one at a time in issue order (a later operation waits for the earlier
+  ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
+  engine's deadline, its progress thread and its timeouts apply as they do to MPI.
+
+Each operation runs in the compiled core (``_shm_native.c``, built by ``pip install``) when
+it is there and serves the dtype: copies, reductions and the waits on the epoch words in C,
+without the GIL; a wait spins ``SMDDP_SHM_SPIN_US`` (20 us), then sleeps on a futex until
+the peer publishes. The Python path (:mod:`smddp.comm.backends.shm_torch`: generators over
+torch views) runs the same protocol: it is the fallback (no compiler at install,
+``SMDDP_SHM_NATIVE=0``) and the hierarchical plane's step between hosts. All ranks of a
+plane take the same path, and both give the same bits.
 
 The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 
-The epoch words rely on x86-64's ordering of stores (data before flag); elsewhere
-:func:`supported` is False and the MPI plane is used.
+The Python path's epoch words rely on x86-64's ordering of stores (data before flag; the
+compiled core uses release/acquire atomics); elsewhere :func:`supported` is False and the MPI
+plane is used.
 """
 
 from __future__ import annotations
@@ -28,39 +37,66 @@ import os
 import threading
 import time
 import warnings
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional
 
 import torch
 
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
-from smddp.comm.base import HALF as _HALF
-from smddp.comm.base import Op, Pending, average, combine
+from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
+from smddp.comm.base import DONE, Op, Pending
 from smddp.errors import CollectiveError
 
-#: All-reduces up to this many bytes run in one step (every rank reduces everything).
-ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 1 << 20))
+try:
+    from smddp.comm.backends import _shm_native as native
+except ImportError:  # not built (no C compiler at install): the Python path serves
+    native = None
+
+#: Bytes per step of the compiled core's larger collectives: small enough that a step's
+#: buffers stay in the caches while the ranks pass them on.
+CHUNK_BYTES = int(os.environ.get("SMDDP_SHM_CHUNK_BYTES", 1 << 20))
+#: All-reduces up to this many bytes run in one step in the compiled core (above it, each
+#: rank reduces one part of every step, which moves fewer bytes).
+NATIVE_ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 32 << 10))
+#: A wait on the peers spins this long, then sleeps until they publish (the compiled core):
+#: a rank whose peer is still computing gives the core back instead of taking it.
+SPIN_NS = int(float(os.environ.get("SMDDP_SHM_SPIN_US", 20)) * 1000)
+_START_WAIT_NS = 20_000  # how long starting an operation waits on the peers before returning
+_TEST_WAIT_NS = 200_000  # ... and each test() (the engine's lock is held meanwhile)
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4,
+                torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8}
+_OP_CODES = {Op.SUM: 0, Op.AVERAGE: 1, Op.MIN: 2, Op.MAX: 3, Op.PRODUCT: 4}
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
-_SPINS = 64  # flag checks per test() call before handing the core back
+_SPINS = 64  # the Python path's flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
-_Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
+
+def native_wanted(env=os.environ) -> bool:
+    """True when the compiled core is built and ``SMDDP_SHM_NATIVE`` does not turn it off."""
+    return native is not None and env.get("SMDDP_SHM_NATIVE", "1").strip() not in ("0", "false", "no", "off")
 
 
-class Plane:
+class Plane(TorchOps):
     """The shared segment of one host's ranks and the operations over it.
+
+    Every operation returns a :class:`~smddp.comm.base.Pending`; they run one at a time, in
+    issue order.
 
     Args:
         comm: an mpi4py communicator of exactly the ranks that share the segment (used only
             during set-up, to agree on the segment's name).
         group: a name for the group (part of the segment's name).
         slot: bytes of each buffer.
+        use_native: run operations in the compiled core (every rank must pass the same).
+
+    Attributes:
+        native: True when the compiled core runs this plane's operations.
 
     Raises:
         OSError: /dev/shm cannot hold the segment (:func:`open_plane` turns that into a
             fallback).
     """
 
-    def __init__(self, comm, group: str = "world", slot: int = SLOT_BYTES):
+    def __init__(self, comm, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.slot = slot
         self.name, self._mm = map_segment(comm, group, segment_bytes(self.size, slot))
@@ -70,91 +106,123 @@ class Plane:
         self._words[self.rank * self._stride + 1] = os.getpid()
         comm.Barrier()
         self._pids = [self._words[r * self._stride + 1] for r in range(self.size)]
-        self._epoch = 0  # the last epoch this rank published
-        self._last_written = 0  # epoch of the latest step's copy-in: buffers older than it are free
-        self._steps = 0
+        # The compiled core keeps the protocol's counters; the Python path shares them.
+        self._seg = native.Segment(self._mm, self.rank, self.size, slot, HEADER, SPIN_NS) if use_native else None
+        self._state = self._seg if self._seg is not None else Counters()
+        self.native = self._seg is not None
+        self._codes = dict(_DTYPE_CODES) if self.native else {}
+        if self.native and not native.HAVE_FLOAT16:
+            del self._codes[torch.float16]
         self._cache: dict = {}
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._waiting_since = 0.0
         self._next_liveness = 0.0
 
-    # ------------------------------------------------------------------ primitives
-    def _buffer(self, rank: int, step: int) -> torch.Tensor:
-        start = HEADER + (rank * 2 + step % 2) * self.slot
-        return self._bytes[start:start + self.slot]
+    # ------------------------------------------------------------------ operations
+    def all_reduce(self, tensor: torch.Tensor, op: Op) -> Pending:
+        """Reduce flat contiguous ``tensor`` in place over the plane's ranks."""
+        code = self._codes.get(tensor.dtype)
+        if code is None:
+            return self.start(self._all_reduce_gen(tensor, op))
+        return self._run(self._seg.all_reduce(
+            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX), tensor)
 
-    def _view(self, rank: int, step: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._views(step, dtype, numel)[rank]
+    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int) -> Pending:
+        """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
+        the hosts' parts through ``across`` (an mpi4py communicator of the ranks with this local rank).
 
-    def _views(self, step: int, dtype: torch.dtype, numel: int) -> List[torch.Tensor]:
-        """Every rank's buffer of ``step`` as ``numel`` elements of ``dtype`` (cached: views cost microseconds)."""
-        key = (step % 2, dtype, numel)
-        views = self._cache.get(key)
-        if views is None:
-            if len(self._cache) >= 256:
-                self._cache.clear()
-            views = self._cache[key] = [self._buffer(r, step).view(dtype)[:numel] for r in range(self.size)]
-        return views
+        Per slice: each local rank reduces its part of the slice over the host, all-reduces that
+        part with the same local rank of every other host (MPI, float32 for half types), and
+        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
+        """
+        return self.start(self._all_reduce_across_gen(tensor, op, across, mpi_op, mpi_type, world))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Pending:
+        """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
+        code = self._codes.get(input.dtype)
+        if code is None:
+            return self.start(self._reduce_scatter_gen(output, input, op))
+        return self._run(self._seg.reduce_scatter(
+            output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], CHUNK_BYTES), (output, input))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
+        if not self.native:
+            return self.start(self._all_gather_gen(output, input))
+        return self._run(self._seg.all_gather(
+            output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), CHUNK_BYTES), (output, input))
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+        """Copy rank ``src``'s flat ``tensor`` into every rank's."""
+        if not self.native:
+            return self.start(self._broadcast_gen(tensor, src))
+        return self._run(self._seg.broadcast(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES), tensor)
+
+    def barrier(self) -> Pending:
+        """Complete once every rank of the plane has entered it."""
+        if not self.native:
+            return self.start(self._barrier_gen())
+        return self._run(self._seg.barrier(), None)
 
     def _publish(self) -> int:
-        self._epoch += 1
-        self._words[self.rank * self._stride] = self._epoch
-        return self._epoch
-
-    def _reached(self, wait) -> bool:
-        if not isinstance(wait, tuple):
-            return wait.Test()  # an MPI request (the hierarchical plane's step between hosts)
-        rank, epoch = wait
-        words, stride = self._words, self._stride
-        if rank is not None:
-            return words[rank * stride] >= epoch
-        for r in range(self.size):
-            if words[r * stride] < epoch:
-                return False
-        return True
-
-    def _behind(self, wait: _Wait) -> List[int]:
-        rank, epoch = wait
-        ranks = range(self.size) if rank is None else (rank,)
-        return [r for r in ranks if self._words[r * self._stride] < epoch]
-
-    def _step(self) -> Iterator[_Wait]:
-        """Start a step: wait until this step's buffer is free. Yields waits; leaves the step in ``_steps``."""
-        self._steps += 1
-        if not self._reached((None, self._last_written)):
-            yield (None, self._last_written)
-
-    def _written(self) -> int:
-        self._last_written = self._publish()
-        return self._last_written
+        if self._seg is not None:
+            return self._seg.publish()  # wakes the peers asleep on this rank's epoch word
+        return super()._publish()
 
     # ------------------------------------------------------------------ driving
     def start(self, gen: Iterator[_Wait]) -> Pending:
-        """Queue an operation (a generator of waits); it runs after the ones queued before it."""
+        """Queue an operation of the Python path (a generator of waits); it runs after the ones
+        queued before it."""
         op = _Op(self, gen)
         with self._lock:
             self._queue.append(op)
             if len(self._queue) == 1:
                 # Nothing ahead of it: copy in and publish now, in the caller's thread, so the
                 # other ranks can proceed before anyone tests this operation.
-                self._advance()
+                self._advance(0)
         return op
 
-    def _advance(self) -> None:
-        """Run queued operations until one must wait for other ranks (lock held)."""
+    def _run(self, native_op, keep) -> Pending:
+        """Queue an operation of the compiled core; ``keep``: the tensors it reads and writes,
+        held until it completes (the core has only their addresses)."""
+        with self._lock:
+            if not self._queue:
+                # Nothing ahead of it: run it now, in the caller's thread. Most small ones
+                # complete here; the others have published their first step for the peers.
+                if native_op.advance(_START_WAIT_NS):
+                    return DONE
+            op = _Op(self, None, native_op, keep)
+            self._queue.append(op)
+        return op
+
+    def _advance(self, spin_ns: int) -> None:
+        """Run queued operations until one must wait for other ranks (lock held).
+
+        ``spin_ns``: how long the compiled core may spin on a peer before returning.
+        """
         queue = self._queue
         while queue:
             op = queue[0]
-            if op.wait is not None and not self._reached(op.wait):
-                self._check_peers(op.wait)
-                return
-            self._waiting_since = 0.0
             try:
-                op.wait = next(op.gen)
-            except StopIteration:
-                op.done = True
-                queue.popleft()
+                if op.native is not None:
+                    if not op.native.advance(spin_ns):
+                        self._check_peers(op.native.waiting)
+                        return
+                    op.done, op.keep = True, None
+                    queue.popleft()
+                    self._waiting_since = 0.0
+                    continue
+                if op.wait is not None and not self._reached(op.wait):
+                    self._check_peers(op.wait)
+                    return
+                self._waiting_since = 0.0
+                try:
+                    op.wait = next(op.gen)
+                except StopIteration:
+                    op.done = True
+                    queue.popleft()
             except BaseException as exc:
                 # The buffers are in an unknown state: every later operation fails too.
                 for other in queue:
@@ -178,165 +246,12 @@ class Plane:
                     f"the job cannot continue: look for their error output"
                 )
 
-    # ------------------------------------------------------------------ operations
-    def all_reduce(self, tensor: torch.Tensor, op: Op) -> Iterator[_Wait]:
-        """Reduce flat contiguous ``tensor`` in place over the plane's ranks."""
-        flat = tensor.view(-1)
-        nbytes = flat.numel() * flat.element_size()
-        if nbytes <= min(ONE_SHOT_MAX, self.slot):
-            yield from self._reduce_one_shot(flat, op)
-            return
-        per_step = self.slot // flat.element_size()
-        for start in range(0, flat.numel(), per_step):
-            yield from self._reduce_slice(flat[start:start + per_step], op)
-
-    def _fold(self, out: torch.Tensor, parts: List[torch.Tensor], op: Op, scale: bool) -> None:
-        """``out`` = the ``op`` of ``parts`` in rank order; half types accumulate in float32.
-
-        ``out`` may be float32 for half ``parts`` (the accumulator is then ``out`` itself).
-        ``scale``: divide an AVERAGE by the plane's size.
-        """
-        if parts[0].dtype in _HALF or len(parts) == 1:
-            acc = out if out.dtype == torch.float32 or parts[0].dtype not in _HALF else torch.empty(
-                out.shape, dtype=torch.float32)
-            acc.copy_(parts[0])
-            for part in parts[1:]:
-                combine(acc, part, op)
-        else:
-            acc = out
-            if op in (Op.SUM, Op.AVERAGE):
-                torch.add(parts[0], parts[1], out=acc)
-            elif op is Op.MIN:
-                torch.minimum(parts[0], parts[1], out=acc)
-            elif op is Op.MAX:
-                torch.maximum(parts[0], parts[1], out=acc)
-            else:
-                torch.mul(parts[0], parts[1], out=acc)
-            for part in parts[2:]:
-                combine(acc, part, op)
-        if scale and op is Op.AVERAGE:
-            average(acc, self.size)
-        if acc is not out:
-            out.copy_(acc)
-
-    def _reduce_one_shot(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
-        yield from self._step()
-        views = self._views(self._steps, flat.dtype, flat.numel())
-        views[self.rank].copy_(flat)
-        yield (None, self._written())
-        self._fold(flat, views, op, True)
-
-    def _reduce_slice(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
-        yield from self._step()
-        n = flat.numel()
-        views = self._views(self._steps, flat.dtype, n)
-        mine = views[self.rank]
-        bounds = _bounds(n, self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        # Publish only what the others reduce; this rank's own part stays private until reduced.
-        mine[:lo].copy_(flat[:lo])
-        mine[hi:].copy_(flat[hi:])
-        yield (None, self._written())
-        parts = [flat[lo:hi] if r == self.rank else views[r][lo:hi] for r in range(self.size)]
-        self._fold(mine[lo:hi], parts, op, True)
-        flat[lo:hi].copy_(mine[lo:hi])
-        yield (None, self._publish())
-        for r in range(self.size):
-            if r != self.rank:
-                flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
-
-    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int
-                          ) -> Iterator[_Wait]:
-        """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
-        the hosts' parts through ``across`` (an mpi4py communicator of the ranks with this local rank).
-
-        Per slice: each local rank reduces its part of the slice over the host, all-reduces that
-        part with the same local rank of every other host (MPI, float32 for half types), and
-        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
-        """
-        from smddp.comm.backends.mpi import _buffer
-
-        flat = tensor.view(-1)
-        per_step = self.slot // flat.element_size()
-        for begin in range(0, flat.numel(), per_step):
-            part = flat[begin:begin + per_step]
-            yield from self._step()
-            step, n = self._steps, part.numel()
-            mine = self._view(self.rank, step, part.dtype, n)
-            mine.copy_(part)
-            yield (None, self._written())
-            bounds = _bounds(n, self.size)
-            lo, hi = bounds[self.rank], bounds[self.rank + 1]
-            target = part[lo:hi]
-            acc = torch.empty(hi - lo, dtype=torch.float32) if part.dtype in _HALF else target
-            self._fold(acc, [self._view(r, step, part.dtype, n)[lo:hi] for r in range(self.size)], op, False)
-            if hi > lo:
-                yield across.Iallreduce(_mpi_in_place(), _buffer(acc, mpi_type(acc.dtype)), op=mpi_op)
-            if op is Op.AVERAGE:
-                average(acc, world)
-            if acc is not target:
-                target.copy_(acc)
-            mine[lo:hi].copy_(target)
-            yield (None, self._publish())
-            for r in range(self.size):
-                if r != self.rank:
-                    part[bounds[r]:bounds[r + 1]].copy_(self._view(r, step, part.dtype, n)[bounds[r]:bounds[r + 1]])
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Iterator[_Wait]:
-        """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
-        m = output.numel()
-        rows = input.view(self.size, m)
-        out = output.view(-1)
-        per_step = max(1, self.slot // (input.element_size() * self.size))
-        for start in range(0, m, per_step):
-            length = min(per_step, m - start)
-            yield from self._step()
-            step = self._steps
-            cells = self._view(self.rank, step, input.dtype, self.size * length).view(self.size, length)
-            cells.copy_(rows[:, start:start + length])
-            yield (None, self._written())
-            lo = self.rank * length
-            parts = [self._view(r, step, input.dtype, self.size * length)[lo:lo + length] for r in range(self.size)]
-            self._fold(out[start:start + length], parts, op, True)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Iterator[_Wait]:
-        """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
-        m = input.numel()
-        src, out = input.view(-1), output.view(-1)
-        per_step = max(1, self.slot // input.element_size())
-        for start in range(0, m, per_step):
-            length = min(per_step, m - start)
-            yield from self._step()
-            step = self._steps
-            self._view(self.rank, step, input.dtype, length).copy_(src[start:start + length])
-            yield (None, self._written())
-            for r in range(self.size):
-                out[r * m + start:r * m + start + length].copy_(self._view(r, step, input.dtype, length))
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Iterator[_Wait]:
-        """Copy rank ``src``'s flat ``tensor`` into every rank's."""
-        flat = tensor.view(-1)
-        per_step = max(1, self.slot // flat.element_size())
-        for start in range(0, flat.numel(), per_step):
-            part = flat[start:start + per_step]
-            yield from self._step()
-            step = self._steps
-            if self.rank == src:
-                self._view(src, step, part.dtype, part.numel()).copy_(part)
-            epoch = self._written()
-            if self.rank != src:
-                yield (src, epoch)
-                part.copy_(self._view(src, step, part.dtype, part.numel()))
-
-    def barrier(self) -> Iterator[_Wait]:
-        """Complete once every rank of the plane has entered it."""
-        self._steps += 1
-        yield (None, self._written())
-
     def close(self) -> None:
         """Unmap the segment (already unlinked)."""
         with self._lock:
             self._queue.clear()
+        if self._seg is not None:
+            self._seg.close()
         self._words.release()
         del self._bytes
         try:
@@ -345,30 +260,16 @@ class Plane:
             pass  # a tensor view still exists: the mapping goes with the process
 
 
-def _mpi_in_place():
-    from mpi4py import MPI
-
-    return MPI.IN_PLACE
-
-
-def _bounds(n: int, parts: int) -> List[int]:
-    """Split points of ``n`` elements into ``parts`` near-equal runs (as torch.tensor_split)."""
-    q, r = divmod(n, parts)
-    out, total = [0], 0
-    for i in range(parts):
-        total += q + (1 if i < r else 0)
-        out.append(total)
-    return out
-
-
 class _Op(Pending):
-    """One queued shared-memory operation."""
+    """One queued shared-memory operation: a generator of waits, or the compiled core's."""
 
-    __slots__ = ("_plane", "gen", "wait", "done", "error")
+    __slots__ = ("_plane", "gen", "native", "keep", "wait", "done", "error")
 
-    def __init__(self, plane: Plane, gen: Iterator[_Wait]):
+    def __init__(self, plane: Plane, gen: Optional[Iterator[_Wait]], native_op=None, keep=None):
         self._plane = plane
         self.gen = gen
+        self.native = native_op
+        self.keep = keep
         self.wait: Optional[_Wait] = None
         self.done = False
         self.error: Optional[BaseException] = None
@@ -377,12 +278,15 @@ class _Op(Pending):
         if not self.done:
             plane = self._plane
             with plane._lock:
-                for spin in range(_SPINS):
-                    plane._advance()
-                    if self.done:
-                        break
-                    if spin:
-                        os.sched_yield()  # on a busy host the awaited rank may need this core
+                if plane.native:
+                    plane._advance(_TEST_WAIT_NS)
+                else:
+                    for spin in range(_SPINS):
+                        plane._advance(0)
+                        if self.done:
+                            break
+                        if spin:
+                            os.sched_yield()  # on a busy host the awaited rank may need this core
         if self.error is not None:
             raise self.error
         return self.done
@@ -390,6 +294,8 @@ class _Op(Pending):
 
 def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[Plane]:
     """A :class:`Plane` over ``comm``'s ranks, or None (one warning, on local rank 0) where it cannot be had.
+
+    The plane runs in the compiled core when every rank has it (:func:`native_wanted`).
 
     Args:
         comm: an mpi4py communicator whose ranks share this host.
@@ -399,11 +305,11 @@ def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[P
     Returns:
         The plane, or None when this is not x86-64 Linux or /dev/shm is too small.
     """
-    usable = comm.allreduce(1 if supported() else 0) == comm.Get_size()
-    if not usable:
+    votes = comm.allgather((supported(), native_wanted()))
+    if not all(usable for usable, _ in votes):
         return None
     try:
-        return Plane(comm, group, slot)
+        return Plane(comm, group, slot, use_native=all(with_native for _, with_native in votes))
     except OSError as exc:
         if comm.Get_rank() == 0:
             warnings.warn(

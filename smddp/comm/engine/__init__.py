@@ -98,9 +98,9 @@ class Engine(Health, Checks):
 
     # ------------------------------------------------------------------ starting and waiting
     def _start(
-        self, op_name: str, start: Callable[[int], Pending], async_op: bool, check=None
+        self, op_name: str, start: Callable[..., Pending], async_op: bool, check=None, args: tuple = ()
     ) -> Optional[Handle]:
-        """Number and start a collective; wait for it here unless ``async_op``.
+        """Number and start a collective (``start(*args, seq)``); wait for it here unless ``async_op``.
 
         ``check`` (built only under ``SMDDP_DEBUG``) describes the call for
         :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks first.
@@ -111,15 +111,15 @@ class Engine(Health, Checks):
         # Ranks must start collectives in the same order: numbering and starting happen
         # together, under one lock, whichever thread calls.
         with self._start_lock:
-            self._check_usable()
-            self.seq += 1
-            seq = self.seq
+            if self._closed or self._broken is not None:
+                self._check_usable()
+            self.seq = seq = self.seq + 1
             self._last_op = op_name
             if check is not None:
                 self._last_start = time.monotonic()
                 self._debug.check(seq, op_name, *check)
             try:
-                pending = start(seq)
+                pending = start(*args, seq)
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
@@ -134,7 +134,7 @@ class Engine(Health, Checks):
         self._last_start = time.monotonic()
         if handle is not None:
             handle.wait()
-        else:
+        elif pending is not DONE:  # DONE: the communicator completed it as it started it
             self._wait_inline(seq, op_name, pending)
         self._done_seq = seq
         return None
@@ -145,7 +145,9 @@ class Engine(Health, Checks):
         The hot path of synchronous collectives: no handle, no lock.
         """
         try:
-            if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
+            # Most small collectives have completed by now: test once before setting up a wait.
+            if not pending.test() and not poll(
+                    pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
                 self._abandoned.append(pending)
                 raise self._stalled(seq, op_name)
         except CollectiveError:
@@ -166,15 +168,22 @@ class Engine(Health, Checks):
         ``backward``: the call comes from inside autograd's backward (DDP's gradient buckets);
         errors then name the uneven-batches case.
         """
-        comm = self._comm_for(tensor)
+        # The hot path (a contiguous CPU tensor that needs no grad) inlines _comm_for and
+        # _inplace: microseconds count at small sizes.
+        comm = self._cpu_comm if tensor.is_cpu else None
+        if comm is None or tensor.dtype not in comm.dtypes:
+            comm = self._comm_for(tensor)
+        check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
+        name = _BACKWARD_ALL_REDUCE if backward else "all_reduce"
+        if tensor.is_contiguous() and not tensor.requires_grad:
+            return self._start(name, comm.all_reduce, async_op, check, (tensor, op))
         buf, after = self._inplace(tensor)
 
         def start(seq: int) -> Pending:
             pending = comm.all_reduce(buf, op, seq)
             return Then(pending, after) if after else pending
 
-        check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
-        return self._start(_BACKWARD_ALL_REDUCE if backward else "all_reduce", start, async_op, check)
+        return self._start(name, start, async_op, check)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Handle]:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""

@@ -1,0 +1,18 @@
+"""Build smddp's one compiled part: the shared-memory plane's core (plain C, no torch headers).
+
+Everything else is in setup.cfg. The extension is optional: where no C compiler is found the
+install goes on, and the shared-memory plane runs its Python path (``smddp-info`` says which).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "smddp.comm.backends._shm_native",
+            ["smddp/comm/backends/_shm_native.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,268 @@
+"""The shared-memory plane's operations in torch: its Python path.
+
+:class:`TorchOps` holds the plane's protocol (see :mod:`smddp.comm.backends.shm`) written
+with torch tensor views of the segment. Each operation is a generator of waits: ``(rank or
+None, epoch)`` on the epoch words, or an MPI request (the hierarchical plane's step between
+hosts). :class:`~smddp.comm.backends.shm.Plane` drives them; it runs the same protocol in its
+compiled core where that is built, and these wherever it is not, for the hierarchical plane,
+and with ``SMDDP_SHM_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+
+from smddp.comm.backends.shm_segment import HEADER
+from smddp.comm.base import HALF as _HALF
+from smddp.comm.base import Op, average, combine
+
+#: All-reduces up to this many bytes run in one step (every rank reduces everything).
+ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 1 << 20))
+
+_Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
+
+
+class Counters:
+    """Where this rank is in the protocol (the compiled core's ``Segment`` has the same fields)."""
+
+    __slots__ = ("epoch", "last_written", "steps")
+
+    def __init__(self):
+        self.epoch = 0  # the last epoch this rank published
+        self.last_written = 0  # epoch of the latest step's copy-in: buffers older than it are free
+        self.steps = 0  # steps started (a step's parity picks its buffer)
+
+
+class TorchOps:
+    """The plane's operations as generators over torch views of the segment.
+
+    Needs, from the class that mixes it in: ``rank``, ``size``, ``slot``, ``_bytes`` (the
+    segment as uint8), ``_words`` (its int64 words), ``_stride`` (words between two ranks'
+    epoch words), ``_state`` (:class:`Counters`) and ``_cache`` (a dict).
+    """
+
+    # ------------------------------------------------------------------ primitives
+    def _buffer(self, rank: int, step: int) -> torch.Tensor:
+        start = HEADER + (rank * 2 + step % 2) * self.slot
+        return self._bytes[start:start + self.slot]
+
+    def _view(self, rank: int, step: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._views(step, dtype, numel)[rank]
+
+    def _views(self, step: int, dtype: torch.dtype, numel: int) -> List[torch.Tensor]:
+        """Every rank's buffer of ``step`` as ``numel`` elements of ``dtype`` (cached: views cost microseconds)."""
+        key = (step % 2, dtype, numel)
+        views = self._cache.get(key)
+        if views is None:
+            if len(self._cache) >= 256:
+                self._cache.clear()
+            views = self._cache[key] = [self._buffer(r, step).view(dtype)[:numel] for r in range(self.size)]
+        return views
+
+    def _publish(self) -> int:
+        state = self._state
+        state.epoch += 1
+        self._words[self.rank * self._stride] = state.epoch
+        return state.epoch
+
+    def _reached(self, wait) -> bool:
+        if not isinstance(wait, tuple):
+            return wait.Test()  # an MPI request (the hierarchical plane's step between hosts)
+        rank, epoch = wait
+        words, stride = self._words, self._stride
+        if rank is not None:
+            return words[rank * stride] >= epoch
+        for r in range(self.size):
+            if words[r * stride] < epoch:
+                return False
+        return True
+
+    def _behind(self, wait: _Wait) -> List[int]:
+        rank, epoch = wait
+        ranks = range(self.size) if rank is None else (rank,)
+        return [r for r in ranks if self._words[r * self._stride] < epoch]
+
+    def _step(self) -> Iterator[_Wait]:
+        """Start a step: wait until this step's buffer is free. Yields waits; leaves the step in ``_state.steps``."""
+        state = self._state
+        state.steps += 1
+        if not self._reached((None, state.last_written)):
+            yield (None, state.last_written)
+
+    def _written(self) -> int:
+        self._state.last_written = self._publish()
+        return self._state.last_written
+
+    # ------------------------------------------------------------------ operations
+    def _all_reduce_gen(self, tensor: torch.Tensor, op: Op) -> Iterator[_Wait]:
+        """Reduce flat contiguous ``tensor`` in place over the plane's ranks."""
+        flat = tensor.view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes <= min(ONE_SHOT_MAX, self.slot):
+            yield from self._reduce_one_shot(flat, op)
+            return
+        per_step = self.slot // flat.element_size()
+        for start in range(0, flat.numel(), per_step):
+            yield from self._reduce_slice(flat[start:start + per_step], op)
+
+    def _fold(self, out: torch.Tensor, parts: List[torch.Tensor], op: Op, scale: bool) -> None:
+        """``out`` = the ``op`` of ``parts`` in rank order; half types accumulate in float32.
+
+        ``out`` may be float32 for half ``parts`` (the accumulator is then ``out`` itself).
+        ``scale``: divide an AVERAGE by the plane's size.
+        """
+        if parts[0].dtype in _HALF or len(parts) == 1:
+            acc = out if out.dtype == torch.float32 or parts[0].dtype not in _HALF else torch.empty(
+                out.shape, dtype=torch.float32)
+            acc.copy_(parts[0])
+            for part in parts[1:]:
+                combine(acc, part, op)
+        else:
+            acc = out
+            if op in (Op.SUM, Op.AVERAGE):
+                torch.add(parts[0], parts[1], out=acc)
+            elif op is Op.MIN:
+                torch.minimum(parts[0], parts[1], out=acc)
+            elif op is Op.MAX:
+                torch.maximum(parts[0], parts[1], out=acc)
+            else:
+                torch.mul(parts[0], parts[1], out=acc)
+            for part in parts[2:]:
+                combine(acc, part, op)
+        if scale and op is Op.AVERAGE:
+            average(acc, self.size)
+        if acc is not out:
+            out.copy_(acc)
+
+    def _reduce_one_shot(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
+        yield from self._step()
+        views = self._views(self._state.steps, flat.dtype, flat.numel())
+        views[self.rank].copy_(flat)
+        yield (None, self._written())
+        self._fold(flat, views, op, True)
+
+    def _reduce_slice(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
+        yield from self._step()
+        n = flat.numel()
+        views = self._views(self._state.steps, flat.dtype, n)
+        mine = views[self.rank]
+        bounds = _bounds(n, self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        # Publish only what the others reduce; this rank's own part stays private until reduced.
+        mine[:lo].copy_(flat[:lo])
+        mine[hi:].copy_(flat[hi:])
+        yield (None, self._written())
+        parts = [flat[lo:hi] if r == self.rank else views[r][lo:hi] for r in range(self.size)]
+        self._fold(mine[lo:hi], parts, op, True)
+        flat[lo:hi].copy_(mine[lo:hi])
+        yield (None, self._publish())
+        for r in range(self.size):
+            if r != self.rank:
+                flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
+
+    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int
+                          ) -> Iterator[_Wait]:
+        """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
+        the hosts' parts through ``across`` (an mpi4py communicator of the ranks with this local rank).
+
+        Per slice: each local rank reduces its part of the slice over the host, all-reduces that
+        part with the same local rank of every other host (MPI, float32 for half types), and
+        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
+        """
+        from smddp.comm.backends.mpi import _buffer
+
+        flat = tensor.view(-1)
+        per_step = self.slot // flat.element_size()
+        for begin in range(0, flat.numel(), per_step):
+            part = flat[begin:begin + per_step]
+            yield from self._step()
+            step, n = self._state.steps, part.numel()
+            mine = self._view(self.rank, step, part.dtype, n)
+            mine.copy_(part)
+            yield (None, self._written())
+            bounds = _bounds(n, self.size)
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            target = part[lo:hi]
+            acc = torch.empty(hi - lo, dtype=torch.float32) if part.dtype in _HALF else target
+            self._fold(acc, [self._view(r, step, part.dtype, n)[lo:hi] for r in range(self.size)], op, False)
+            if hi > lo:
+                yield across.Iallreduce(_mpi_in_place(), _buffer(acc, mpi_type(acc.dtype)), op=mpi_op)
+            if op is Op.AVERAGE:
+                average(acc, world)
+            if acc is not target:
+                target.copy_(acc)
+            mine[lo:hi].copy_(target)
+            yield (None, self._publish())
+            for r in range(self.size):
+                if r != self.rank:
+                    part[bounds[r]:bounds[r + 1]].copy_(self._view(r, step, part.dtype, n)[bounds[r]:bounds[r + 1]])
+
+    def _reduce_scatter_gen(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Iterator[_Wait]:
+        """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
+        m = output.numel()
+        rows = input.view(self.size, m)
+        out = output.view(-1)
+        per_step = max(1, self.slot // (input.element_size() * self.size))
+        for start in range(0, m, per_step):
+            length = min(per_step, m - start)
+            yield from self._step()
+            step = self._state.steps
+            cells = self._view(self.rank, step, input.dtype, self.size * length).view(self.size, length)
+            cells.copy_(rows[:, start:start + length])
+            yield (None, self._written())
+            lo = self.rank * length
+            parts = [self._view(r, step, input.dtype, self.size * length)[lo:lo + length] for r in range(self.size)]
+            self._fold(out[start:start + length], parts, op, True)
+
+    def _all_gather_gen(self, output: torch.Tensor, input: torch.Tensor) -> Iterator[_Wait]:
+        """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
+        m = input.numel()
+        src, out = input.view(-1), output.view(-1)
+        per_step = max(1, self.slot // input.element_size())
+        for start in range(0, m, per_step):
+            length = min(per_step, m - start)
+            yield from self._step()
+            step = self._state.steps
+            self._view(self.rank, step, input.dtype, length).copy_(src[start:start + length])
+            yield (None, self._written())
+            for r in range(self.size):
+                out[r * m + start:r * m + start + length].copy_(self._view(r, step, input.dtype, length))
+
+    def _broadcast_gen(self, tensor: torch.Tensor, src: int) -> Iterator[_Wait]:
+        """Copy rank ``src``'s flat ``tensor`` into every rank's."""
+        flat = tensor.view(-1)
+        per_step = max(1, self.slot // flat.element_size())
+        for start in range(0, flat.numel(), per_step):
+            part = flat[start:start + per_step]
+            yield from self._step()
+            step = self._state.steps
+            if self.rank == src:
+                self._view(src, step, part.dtype, part.numel()).copy_(part)
+            epoch = self._written()
+            if self.rank != src:
+                yield (src, epoch)
+                part.copy_(self._view(src, step, part.dtype, part.numel()))
+
+    def _barrier_gen(self) -> Iterator[_Wait]:
+        """Complete once every rank of the plane has entered it."""
+        self._state.steps += 1
+        yield (None, self._written())
+
+
+def _mpi_in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE
+
+
+def _bounds(n: int, parts: int) -> List[int]:
+    """Split points of ``n`` elements into ``parts`` near-equal runs (as torch.tensor_split)."""
+    q, r = divmod(n, parts)
+    out, total = [0], 0
+    for i in range(parts):
+        total += q + (1 if i < r else 0)
+        out.append(total)
+    return out
