@@ -80,6 +80,23 @@ def test_ranks_without_the_compiled_core_take_the_python_path_together():
     assert_all_ranks_passed(result, 3, "shm", "python")
 
 
+def test_a_rank_waiting_for_its_peer_gives_its_core_back():
+    # Rank 1 sleeps 1 s before the all-reduce: the others wait in the compiled core, which
+    # spins 20 us and then sleeps on the peer's epoch word until it publishes.
+    result = mpirun(3, [SCRIPT, "idle", "shm"], timeout=120)
+    assert_all_ranks_passed_simple(result, 3)
+    assert rank_lines(result.stdout, "CORE") == {0: "native", 1: "native", 2: "native"}, result.output
+    for rank in (0, 2):
+        cpu, wall = map(float, rank_lines(result.stdout, "WAITCPU")[rank].split())
+        assert wall > 0.5, result.output  # it did wait for rank 1
+        assert cpu < 0.25 * wall, result.output  # ... mostly asleep, not spinning
+
+
+def assert_all_ranks_passed_simple(result, size: int) -> None:
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "PASSED")) == list(range(size)), result.output
+
+
 def test_unknown_or_impossible_plane_is_an_error():
     result = mpirun(2, [SCRIPT, "checks", "shm"], timeout=120, env={"SMDDP_CPU_PLANE": "fast"})
     assert result.returncode != 0 and "SMDDP_CPU_PLANE='fast' is not a CPU plane" in result.output, result.output

@@ -7,7 +7,8 @@ must agree bit for bit), ``PLANES <rank> <collective:plane,...>``, then ``PASSED
 
 Modes: ``checks`` (every collective, dtype and op; async operations waited out of order),
 ``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
-not hang). ``CORE <rank> native|python`` says which implementation ran the shared-memory
+not hang), ``idle`` (rank 1 sleeps a second before an all-reduce; the others print the CPU
+seconds their waiting thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python`` says which implementation ran the shared-memory
 plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the compiled core off on rank R alone (the ranks
 must then agree on the Python path).
 """
@@ -192,6 +193,19 @@ def kill() -> None:
     print(f"UNREACHABLE {rank}", flush=True)
 
 
+def idle() -> None:
+    t = torch.full((1000,), float(rank + 1))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    cpu, wall = time.thread_time(), time.monotonic()
+    dist.all_reduce(t)
+    print(f"WAITCPU {rank} {time.thread_time() - cpu:.3f} {time.monotonic() - wall:.3f}", flush=True)
+    assert torch.equal(t, torch.full((1000,), float(size * (size + 1) // 2)))
+    dist.destroy_process_group()
+    print(f"PASSED {rank} 1", flush=True)
+
+
 _REDUCE_OPS = {Op.SUM: dist.ReduceOp.SUM, Op.AVERAGE: dist.ReduceOp.AVERAGE, Op.MIN: dist.ReduceOp.MIN,
                Op.MAX: dist.ReduceOp.MAX}
 
@@ -202,6 +216,8 @@ if shm_plane is not None:
     print(f"CORE {rank} {'native' if shm_plane.native else 'python'}", flush=True)
 if MODE == "kill":
     kill()
+elif MODE == "idle":
+    idle()
 else:
     check_all_reduce()
     check_random_bits()

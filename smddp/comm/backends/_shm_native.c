@@ -304,10 +304,10 @@ static void sleep_on(Segment *s, int r, long long epoch, long long ns) {
 #endif
 }
 
-/* Wait until ``reached`` or ``budget_ns`` pass, with the GIL released: spin for the
- * segment's spin_ns (a peer a few microseconds behind costs no system call), then sleep on
- * the futex of the first rank still behind. */
-static int spin(Segment *s, int who, long long epoch, long long budget_ns) {
+/* Wait until ``reached`` or ``budget_ns`` pass, with the GIL released: spin for ``spin_ns``
+ * (a peer a few microseconds behind costs no system call), then sleep on the futex of the
+ * first rank still behind. */
+static int spin(Segment *s, int who, long long epoch, long long budget_ns, long long spin_ns) {
     long long start, t;
     unsigned n = 0;
     int ok = 0, r;
@@ -322,7 +322,7 @@ static int spin(Segment *s, int who, long long epoch, long long budget_ns) {
         if ((++n & 31) == 0) {
             t = now_ns() - start;
             if (t >= budget_ns) break;
-            if (t >= s->spin_ns) {
+            if (t >= spin_ns) {
                 r = behind(s, who, epoch);
                 if (r < 0) { ok = 1; break; }
                 sleep_on(s, r, epoch, budget_ns - t);
@@ -380,6 +380,7 @@ typedef struct {
     int phase, done;
     int wait_rank;         /* -1: every rank */
     long long wait_epoch;  /* 0: not waiting */
+    long long spun_epoch;  /* the wait already spun for: later advances sleep at once */
 } Op;
 
 static PyTypeObject OpType;
@@ -605,8 +606,12 @@ static PyObject *Op_advance(Op *o, PyObject *arg) {
     }
     while (!o->done) {
         if (o->wait_epoch) {
-            if (!spin(o->seg, o->wait_rank, o->wait_epoch, budget))
+            /* A wait spins once; when it outlasts an advance, the next ones sleep at once. */
+            long long spin_ns = o->spun_epoch == o->wait_epoch ? 0 : o->seg->spin_ns;
+            if (!spin(o->seg, o->wait_rank, o->wait_epoch, budget, spin_ns)) {
+                o->spun_epoch = o->wait_epoch;
                 Py_RETURN_FALSE;
+            }
             o->wait_epoch = 0;
         }
         if (run(o))
@@ -681,6 +686,7 @@ static Op *new_op(Segment *s, int kind) {
     o->phase = o->done = 0;
     o->wait_rank = -1;
     o->wait_epoch = 0;
+    o->spun_epoch = -1;
     return o;
 }
 
