@@ -98,12 +98,15 @@ def worker(args: argparse.Namespace) -> None:
 
     params = sum(p.numel() for p in models["compute"].parameters())
     gathered: List[dict] = [None] * size  # type: ignore[list-item]
-    tdist.all_gather_object(gathered, {"rank": rank, "times": times}, group=gloo)
+    # Over smddp's group, not gloo's: torch's gloo group joins its worker threads holding the
+    # GIL when it is destroyed, and a worker still releasing an all_gather's Python tensors
+    # waits for the GIL (a hang at exit: torch issue 56297).
+    tdist.all_gather_object(gathered, {"rank": rank, "times": times})
     if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"ranks": size, "params": params, "backend": dist.get_backend(),
                        "bucket_mb": models["smddp"].bucket_bytes_cap / 2**20, "per_rank": gathered}, f)
-    tdist.barrier(group=gloo)
+    dist.barrier()
     dist.destroy_process_group()
 
 
