@@ -408,6 +408,22 @@ static void written(Op *o) {
     s->last_written = s->epoch;
 }
 
+/* Start the next chunk (its step waits for its buffer to be free): 1 once there is none. */
+static int next_chunk(Op *o) {
+    if (o->pos >= o->n)
+        return 1;
+    o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
+    begin_step(o);
+    o->phase = 1;
+    return 0;
+}
+
+/* Publish this step's copy-in and wait until every rank has published its own. */
+static void written_wait_all(Op *o) {
+    written(o);
+    wait_for(o, -1, o->seg->epoch);
+}
+
 /* One piece of work; returns 1 when the operation is complete. Sets a wait to pause. */
 static int run_all_reduce(Op *o) {
     Segment *s = o->seg;
@@ -416,13 +432,8 @@ static int run_all_reduce(Op *o) {
     Py_ssize_t es = o->esize;
     for (;;) {
         switch (o->phase) {
-        case 0: /* next chunk */
-            if (o->pos >= o->n)
-                return 1;
-            o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
-            begin_step(o);
-            o->phase = 1;
-            return 0;
+        case 0:
+            return next_chunk(o);
         case 1: { /* copy in: everything (one shot) or what the others reduce */
             char *mine = buffer(s, me, o->step), *src = o->data + o->pos * es;
             if (o->one_shot) {
@@ -432,8 +443,7 @@ static int run_all_reduce(Op *o) {
                 copy(mine, src, lo * es);
                 copy(mine + hi * es, src + hi * es, (o->len - hi) * es);
             }
-            written(o);
-            wait_for(o, -1, s->epoch);
+            written_wait_all(o);
             o->phase = 2;
             return 0;
         }
@@ -484,19 +494,13 @@ static int run_reduce_scatter(Op *o) {
     for (;;) {
         switch (o->phase) {
         case 0:
-            if (o->pos >= o->n)
-                return 1;
-            o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
-            begin_step(o);
-            o->phase = 1;
-            return 0;
+            return next_chunk(o);
         case 1: { /* cell r of this rank's buffer: its row r's current slice, for rank r */
             char *mine = buffer(s, me, o->step);
             for (r = 0; r < size; r++)
                 if (r != me)
                     copy(mine + r * o->len * es, o->input + (r * o->n + o->pos) * es, o->len * es);
-            written(o);
-            wait_for(o, -1, s->epoch);
+            written_wait_all(o);
             o->phase = 2;
             return 0;
         }
@@ -518,16 +522,10 @@ static int run_all_gather(Op *o) {
     for (;;) {
         switch (o->phase) {
         case 0:
-            if (o->pos >= o->n)
-                return 1;
-            o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
-            begin_step(o);
-            o->phase = 1;
-            return 0;
+            return next_chunk(o);
         case 1:
             copy(buffer(s, me, o->step), o->input + o->pos * es, o->len * es);
-            written(o);
-            wait_for(o, -1, s->epoch);
+            written_wait_all(o);
             o->phase = 2;
             return 0;
         case 2:
@@ -547,12 +545,7 @@ static int run_broadcast(Op *o) {
     for (;;) {
         switch (o->phase) {
         case 0:
-            if (o->pos >= o->n)
-                return 1;
-            o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
-            begin_step(o);
-            o->phase = 1;
-            return 0;
+            return next_chunk(o);
         case 1:
             if (me == o->root)
                 copy(buffer(s, me, o->step), o->data + o->pos, o->len);
@@ -575,11 +568,9 @@ static int run_broadcast(Op *o) {
 }
 
 static int run_barrier(Op *o) {
-    Segment *s = o->seg;
     if (o->phase == 0) {
-        s->steps += 1;
-        written(o);
-        wait_for(o, -1, s->epoch);
+        o->seg->steps += 1;
+        written_wait_all(o);
         o->phase = 1;
         return 0;
     }
