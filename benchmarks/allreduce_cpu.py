@@ -15,8 +15,10 @@ Methods, all on float32 SUM, in place, over the same ranks:
 - ``mpi4py-tensor``: ``comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)`` on the torch tensor
   (DLPack), the call a user of mpi4py writes;
 - ``mpi4py-numpy``: the same on a numpy array, mpi4py's fastest path;
-- with ``--layers``: ``Engine.all_reduce`` and ``MPICommunicator.all_reduce`` (driven to
-  completion by ``test()``), smddp's layers below its API.
+- with ``--layers``: ``Engine.all_reduce`` and the CPU communicator's ``all_reduce`` (driven
+  to completion by ``test()``), smddp's layers below its API, and on the shared-memory plane
+  ``shm-core``: the compiled core's all-reduce alone, called and advanced with no Python
+  layer around it.
 
 Each round runs every method once, in an order that rotates every round; a method's turn is a
 barrier, then ``iters`` calls timed one by one. A round's figure for a method is the median of
@@ -80,6 +82,16 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
 
         methods["Engine.all_reduce"] = lambda: engine.all_reduce(tensor, Op.SUM)
         methods[f"{type(communicator).__name__}.all_reduce"] = through_communicator
+        plane = getattr(communicator, "_shm", None)
+        if plane is not None and plane.native and getattr(communicator, "plane", "") == "shm":
+            from smddp.comm.backends import shm
+
+            def through_core():
+                op = plane._seg.all_reduce(tensor.data_ptr(), numel, 0, 0, shm.CHUNK_BYTES, shm.NATIVE_ONE_SHOT_MAX)
+                while not op.advance(shm._TEST_WAIT_NS):
+                    pass
+
+            methods["shm-core"] = through_core
     methods["_reset"] = lambda: (tensor.fill_(1.0), array.fill(1.0))
     methods["_check"] = lambda: (float(tensor[0]), float(array[0]))
     return methods
