@@ -8,9 +8,9 @@ must agree bit for bit), ``PLANES <rank> <collective:plane,...>``, then ``PASSED
 Modes: ``checks`` (every collective, dtype and op; async operations waited out of order),
 ``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
 not hang), ``idle`` (rank 1 sleeps a second before an all-reduce; the others print the CPU
-seconds their waiting thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python`` says which implementation ran the shared-memory
-plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the compiled core off on rank R alone (the ranks
-must then agree on the Python path).
+seconds their waiting thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python``
+says which implementation ran the shared-memory plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the
+compiled core off on rank R alone (the ranks must then agree on the Python path).
 """
 
 from __future__ import annotations
@@ -159,6 +159,38 @@ def check_gather_broadcast() -> None:
     passed("barrier")
 
 
+def check_edges() -> None:
+    """Empty tensors, NaN under MIN/MAX (it wins, as in torch.minimum), integer sums that wrap."""
+    empty = torch.empty(0)
+    dist.all_reduce(empty)
+    dist.broadcast(empty, src=size - 1)
+    gathered = torch.empty(0)
+    engine.all_gather_into_tensor(gathered, empty)
+    passed("empty")
+    # NaN under MIN/MAX is the shared-memory plane's promise (torch.minimum's); MPI's and gloo's
+    # comparisons may drop it, depending on the order they reduce in.
+    nan_ops = ((dist.ReduceOp.MIN, torch.minimum), (dist.ReduceOp.MAX, torch.maximum)) if PLANE == "shm" else ()
+    for op, reduce in nan_ops:
+        stack = torch.stack([values(r, 9, torch.float32, 8) for r in range(size)])
+        stack[1, 4] = float("nan")  # rank 1's element 4
+        want = stack[0]
+        for r in range(1, size):
+            want = reduce(want, stack[r])
+        t = stack[rank].clone()
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t.isnan(), want.isnan()) and t[4].isnan(), (t, want)
+        assert torch.equal(t[~t.isnan()], want[~want.isnan()]), (t, want)
+        passed(f"nan/{op}")
+    big = torch.stack([torch.full((7,), 2**31 - 1 - r, dtype=torch.int32) for r in range(size)])
+    want = big[0].clone()
+    for r in range(1, size):
+        want += big[r]  # torch's int32 sum wraps
+    t = big[rank].clone()
+    dist.all_reduce(t)
+    assert torch.equal(t, want), (t, want)
+    passed("int32-wraps")
+
+
 def check_all_to_all() -> None:
     """Not a shared-memory collective: it goes through MPI from the same communicator."""
     src = torch.arange(size * 4, dtype=torch.int64) + 100 * rank
@@ -222,6 +254,7 @@ else:
     check_all_reduce()
     check_random_bits()
     check_gather_broadcast()
+    check_edges()
     if PLANE == "shm":
         check_reduce_scatter()
     check_reduce_scatter_tensor()

@@ -250,8 +250,8 @@ class Plane(TorchOps):
         """Unmap the segment (already unlinked)."""
         with self._lock:
             self._queue.clear()
-        if self._seg is not None:
-            self._seg.close()
+            if self._seg is not None:
+                self._seg.close()  # under the lock: no thread is inside the core meanwhile
         self._words.release()
         del self._bytes
         try:
