@@ -26,13 +26,20 @@ def test_every_collective_exact_on_two_hosts_of_two_ranks():
         pytest.skip(f"two namespace hosts cannot be made here: {exc}")
     try:
         cmd = [SMDDPRUN, "-H", "host1:2,host2:2", "--mpi-args", hosts.mpi_args,
-               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "SMDDP_SHM_SLOT_BYTES",
+               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "SMDDP_SHM_SLOT_BYTES", "-x", "SMDDP_SHM_NATIVE",
                str(SCRIPTS / "shm_checks.py"), "checks", "hierarchical"]
-        # 64 KiB slots: the all-reduces above the hierarchical threshold run in several slices.
-        result = run(hosts.command(cmd), timeout=300, env={"SMDDP_SHM_SLOT_BYTES": "65536"})
+        # 64 KiB slots: the all-reduces above the hierarchical threshold run in several slices;
+        # the compiled core's run, then the Python path's, which must give the same bits.
+        results = {core: run(hosts.command(cmd), timeout=300,
+                             env={"SMDDP_SHM_SLOT_BYTES": "65536", "SMDDP_SHM_NATIVE": flag})
+                   for core, flag in (("native", "1"), ("python", "0"))}
     finally:
         hosts_cm.__exit__(None, None, None)
-    assert result.returncode == 0, result.output
+    for core, result in results.items():
+        assert result.returncode == 0, result.output
+        assert rank_lines(result.stdout, "CORE") == {r: core for r in range(4)}, result.output
+    assert rank_lines(results["native"].stdout, "DIGEST") == rank_lines(results["python"].stdout, "DIGEST")
+    result = results["native"]
     assert sorted(rank_lines(result.stdout, "PASSED")) == [0, 1, 2, 3], result.output
     digests = rank_lines(result.stdout, "DIGEST")
     assert len(set(digests.values())) == 1, digests

@@ -99,7 +99,10 @@ static inline uint16_t f32_to_f16(float f) {
 #define IMIN_OF(a, b) ((a) < (b) ? (a) : (b))
 #define IMAX_OF(a, b) ((a) > (b) ? (a) : (b))
 
-#define FOLD_DIRECT(T, U, MINF, MAXF)                                                      \
+#define FDIV(T, a, d) ((T)((a) / (T)(d)))
+#define IDIV(T, a, d) ((T)((long long)(a) / (long long)(d)))
+
+#define FOLD_DIRECT(T, U, MINF, MAXF, DIV)                                                    \
     static void fold_##T(T *out, T *out2, T *const *parts, int nparts, Py_ssize_t n,      \
                          int op, int divisor) {                                            \
         T acc[FOLD_BLOCK];                                                                 \
@@ -133,20 +136,20 @@ static inline uint16_t f32_to_f16(float f) {
                     for (i = 0; i < len; i++) acc[i] = (T)((U)acc[i] * (U)p[i]);           \
             }                                                                              \
             if (op == R_AVG && divisor > 1)                                                \
-                for (i = 0; i < len; i++) acc[i] = (T)(acc[i] / (T)divisor);               \
+                for (i = 0; i < len; i++) acc[i] = DIV(T, acc[i], divisor);                \
             memcpy(out + base, acc, len * sizeof(T));                                      \
             if (out2 != NULL) memcpy(out2 + base, acc, len * sizeof(T));                   \
         }                                                                                  \
     }
 
 /* Integer sums and products wrap, as torch's do: computed in the unsigned type. */
-FOLD_DIRECT(float, float, MIN_OF, MAX_OF)
-FOLD_DIRECT(double, double, MIN_OF, MAX_OF)
-FOLD_DIRECT(int8_t, uint8_t, IMIN_OF, IMAX_OF)
-FOLD_DIRECT(uint8_t, uint8_t, IMIN_OF, IMAX_OF)
-FOLD_DIRECT(int16_t, uint16_t, IMIN_OF, IMAX_OF)
-FOLD_DIRECT(int32_t, uint32_t, IMIN_OF, IMAX_OF)
-FOLD_DIRECT(int64_t, uint64_t, IMIN_OF, IMAX_OF)
+FOLD_DIRECT(float, float, MIN_OF, MAX_OF, FDIV)
+FOLD_DIRECT(double, double, MIN_OF, MAX_OF, FDIV)
+FOLD_DIRECT(int8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV)
+FOLD_DIRECT(uint8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV)
+FOLD_DIRECT(int16_t, uint16_t, IMIN_OF, IMAX_OF, IDIV)
+FOLD_DIRECT(int32_t, uint32_t, IMIN_OF, IMAX_OF, IDIV)
+FOLD_DIRECT(int64_t, uint64_t, IMIN_OF, IMAX_OF, IDIV)
 
 /* Half types: a block at a time in float32, rounded once. */
 #define HALF_BLOCK 256
@@ -365,7 +368,7 @@ static inline Py_ssize_t bound(Py_ssize_t n, int parts, int i) {
 }
 
 /* ------------------------------------------------------------------ operations */
-enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER };
+enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_ALL_REDUCE_ACROSS };
 
 typedef struct {
     PyObject_HEAD
@@ -381,6 +384,8 @@ typedef struct {
     int wait_rank;         /* -1: every rank */
     long long wait_epoch;  /* 0: not waiting */
     long long spun_epoch;  /* the wait already spun for: later advances sleep at once */
+    int world;             /* all_reduce_across: the job's size (divides an AVERAGE) */
+    int paused;            /* all_reduce_across: this rank's part waits for the exchange between hosts */
 } Op;
 
 static PyTypeObject OpType;
@@ -577,12 +582,63 @@ static int run_barrier(Op *o) {
     return 1;
 }
 
+/* The hierarchical plane's all-reduce: per chunk, every rank copies the chunk in, reduces its
+ * part over the host, pauses while Python all-reduces that part with the same local rank of
+ * the other hosts (MPI), then publishes it (AVERAGE divided by the world) and gathers the
+ * others' parts. */
+static int run_all_reduce_across(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    char *parts[MAX_RANKS];
+    Py_ssize_t es = o->esize, lo, hi;
+    for (;;) {
+        lo = bound(o->len, size, me);
+        hi = bound(o->len, size, me + 1);
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1:
+            copy(buffer(s, me, o->step), o->data + o->pos * es, o->len * es);
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        case 2: /* this rank's part over the host, not yet divided */
+            for (r = 0; r < size; r++)
+                parts[r] = buffer(s, r, o->step) + lo * es;
+            fold_gil(o->dtype, o->data + (o->pos + lo) * es, NULL, parts, size, hi - lo,
+                     o->op == R_AVG ? R_SUM : o->op, 1);
+            o->paused = 1;
+            o->phase = 3;
+            return 0;
+        case 3: { /* after the exchange: publish the part, divided for an AVERAGE */
+            char *part = o->data + (o->pos + lo) * es;
+            parts[0] = part;
+            fold_gil(o->dtype, part, buffer(s, me, o->step) + lo * es, parts, 1, hi - lo, o->op, o->world);
+            publish(s);
+            wait_for(o, -1, s->epoch);
+            o->phase = 4;
+            return 0;
+        }
+        case 4:
+            for (r = 0; r < size; r++) {
+                Py_ssize_t rlo = bound(o->len, size, r), rhi = bound(o->len, size, r + 1);
+                if (r != me)
+                    copy(o->data + (o->pos + rlo) * es, buffer(s, r, o->step) + rlo * es, (rhi - rlo) * es);
+            }
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
 static int run(Op *o) {
     switch (o->kind) {
     case K_ALL_REDUCE: return run_all_reduce(o);
     case K_REDUCE_SCATTER: return run_reduce_scatter(o);
     case K_ALL_GATHER: return run_all_gather(o);
     case K_BROADCAST: return run_broadcast(o);
+    case K_ALL_REDUCE_ACROSS: return run_all_reduce_across(o);
     default: return run_barrier(o);
     }
 }
@@ -596,6 +652,8 @@ static PyObject *Op_advance(Op *o, PyObject *arg) {
         return NULL;
     }
     while (!o->done) {
+        if (o->paused)
+            Py_RETURN_FALSE;
         if (o->wait_epoch) {
             /* A wait spins once; when it outlasts an advance, the next ones sleep at once. */
             long long spin_ns = o->spun_epoch == o->wait_epoch ? 0 : o->seg->spin_ns;
@@ -620,6 +678,22 @@ static PyObject *Op_get_waiting(Op *o, void *closure) {
     return Py_BuildValue("(iL)", o->wait_rank, o->wait_epoch);
 }
 
+static PyObject *Op_get_exchange(Op *o, void *closure) {
+    Py_ssize_t lo, hi;
+    (void)closure;
+    if (!o->paused)
+        Py_RETURN_NONE;
+    lo = bound(o->len, o->seg->size, o->seg->rank);
+    hi = bound(o->len, o->seg->size, o->seg->rank + 1);
+    return Py_BuildValue("(nn)", o->pos + lo, hi - lo);
+}
+
+static PyObject *Op_resume(Op *o, PyObject *noargs) {
+    (void)noargs;
+    o->paused = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Op_get_done(Op *o, void *closure) {
     (void)closure;
     return PyBool_FromLong(o->done);
@@ -631,6 +705,8 @@ static void Op_dealloc(Op *o) {
 }
 
 static PyMethodDef Op_methods[] = {
+    {"resume", (PyCFunction)Op_resume, METH_NOARGS,
+     "resume(): the exchange between hosts is done (its result is in place); go on."},
     {"advance", (PyCFunction)Op_advance, METH_O,
      "advance(spin_ns) -> bool: run as far as the peers allow, spinning at most spin_ns on each "
      "wait; True once complete."},
@@ -640,6 +716,8 @@ static PyMethodDef Op_methods[] = {
 static PyGetSetDef Op_getset[] = {
     {"waiting", (getter)Op_get_waiting, NULL, "(rank or None for every rank, epoch) awaited, or None.", NULL},
     {"done", (getter)Op_get_done, NULL, "True once the operation completed.", NULL},
+    {"exchange", (getter)Op_get_exchange, NULL,
+     "(first element, count) of this rank's part, to all-reduce between hosts before resume(); or None.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -678,6 +756,8 @@ static Op *new_op(Segment *s, int kind) {
     o->wait_rank = -1;
     o->wait_epoch = 0;
     o->spun_epoch = -1;
+    o->world = 1;
+    o->paused = 0;
     return o;
 }
 
@@ -717,6 +797,36 @@ static PyObject *Segment_all_reduce(Segment *s, PyObject *args) {
         o->chunk = bytes / o->esize;
         if (o->chunk < s->size) o->chunk = s->size;
     }
+    return (PyObject *)o;
+}
+
+static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t n, chunk_bytes;
+    int dtype, op, world;
+    Op *o;
+    if (!PyArg_ParseTuple(args, "Kniini", &addr, &n, &dtype, &op, &chunk_bytes, &world))
+        return NULL;
+    if (check_dtype_op(dtype, op) < 0)
+        return NULL;
+    if (dtype == T_F16 || dtype == T_BF16) {
+        PyErr_SetString(PyExc_ValueError, "all_reduce_across: half types are reduced in float32 by the Python path");
+        return NULL;
+    }
+    if (world < 1) {
+        PyErr_Format(PyExc_ValueError, "world %d is not a job size", world);
+        return NULL;
+    }
+    if ((o = new_op(s, K_ALL_REDUCE_ACROSS)) == NULL)
+        return NULL;
+    o->data = (char *)(uintptr_t)addr;
+    o->dtype = dtype;
+    o->op = op;
+    o->esize = ELEMENT_SIZE[dtype];
+    o->n = n;
+    o->world = world;
+    o->chunk = (chunk_bytes < s->slot ? chunk_bytes : s->slot) / o->esize;
+    if (o->chunk < s->size) o->chunk = s->size;
     return (PyObject *)o;
 }
 
@@ -879,6 +989,9 @@ static PyObject *Segment_behind(Segment *s, PyObject *args) {
 static PyMethodDef Segment_methods[] = {
     {"all_reduce", (PyCFunction)Segment_all_reduce, METH_VARARGS,
      "all_reduce(addr, numel, dtype, op, chunk_bytes, one_shot_max) -> Op: reduce in place."},
+    {"all_reduce_across", (PyCFunction)Segment_all_reduce_across, METH_VARARGS,
+     "all_reduce_across(addr, numel, dtype, op, chunk_bytes, world) -> Op: the hierarchical plane's "
+     "all-reduce; it pauses (Op.exchange) for each part's exchange between hosts."},
     {"reduce_scatter", (PyCFunction)Segment_reduce_scatter, METH_VARARGS,
      "reduce_scatter(out_addr, in_addr, m, dtype, op, chunk_bytes) -> Op: rank r gets the reduction of "
      "every rank's slice r (m elements each)."},

@@ -42,8 +42,8 @@ from typing import Iterator, Optional
 import torch
 
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
-from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
-from smddp.comm.base import DONE, Op, Pending
+from smddp.comm.backends.shm_torch import Counters, TorchOps, _mpi_in_place, _Wait
+from smddp.comm.base import DONE, HALF, Op, Pending
 from smddp.errors import CollectiveError
 
 try:
@@ -134,9 +134,32 @@ class Plane(TorchOps):
 
         Per slice: each local rank reduces its part of the slice over the host, all-reduces that
         part with the same local rank of every other host (MPI, float32 for half types), and
-        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
+        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE. The
+        compiled core runs the steps within the host and pauses for each exchange between
+        hosts; half types take the Python path (they cross hosts in float32).
         """
-        return self.start(self._all_reduce_across_gen(tensor, op, across, mpi_op, mpi_type, world))
+        code = self._codes.get(tensor.dtype)
+        if code is None or tensor.dtype in HALF:
+            return self.start(self._all_reduce_across_gen(tensor, op, across, mpi_op, mpi_type, world))
+        native_op = self._seg.all_reduce_across(tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op],
+                                                CHUNK_BYTES, world)
+        return self.start(self._across_native_gen(native_op, tensor.view(-1), across, mpi_op, mpi_type))
+
+    def _across_native_gen(self, native_op, flat: torch.Tensor, across, mpi_op, mpi_type) -> Iterator:
+        """Drive the core's all_reduce_across; between its pauses, all-reduce each part between hosts."""
+        from smddp.comm.backends.mpi import _buffer
+
+        stepping = _Stepping(native_op)
+        while not native_op.done:
+            exchange = native_op.exchange
+            if exchange is None:
+                yield stepping
+                continue
+            first, count = exchange
+            if count:
+                part = flat[first:first + count]
+                yield across.Iallreduce(_mpi_in_place(), _buffer(part, mpi_type(part.dtype)), op=mpi_op)
+            native_op.resume()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Pending:
         """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
@@ -231,6 +254,8 @@ class Plane(TorchOps):
                 raise
 
     def _check_peers(self, wait) -> None:
+        if isinstance(wait, _Stepping):
+            wait = wait.native_op.waiting
         if not isinstance(wait, tuple):
             return
         now = time.monotonic()
@@ -258,6 +283,19 @@ class Plane(TorchOps):
             self._mm.close()
         except BufferError:
             pass  # a tensor view still exists: the mapping goes with the process
+
+
+class _Stepping:
+    """A wait on a compiled operation inside a generator: over once it completes or pauses."""
+
+    __slots__ = ("native_op",)
+
+    def __init__(self, native_op):
+        self.native_op = native_op
+
+    def Test(self) -> bool:  # noqa: N802 - the name an MPI request's test has: TorchOps._reached calls it
+        native_op = self.native_op
+        return native_op.advance(_TEST_WAIT_NS) or native_op.exchange is not None
 
 
 class _Op(Pending):
