@@ -20,8 +20,9 @@ it is there and serves the dtype: copies, reductions and the waits on the epoch 
 without the GIL; a wait spins ``SMDDP_SHM_SPIN_US`` (20 us), then sleeps on a futex until
 the peer publishes. The Python path (:mod:`smddp.comm.backends.shm_torch`: generators over
 torch views) runs the same protocol: it is the fallback (no compiler at install,
-``SMDDP_SHM_NATIVE=0``) and the hierarchical plane's step between hosts. All ranks of a
-plane take the same path, and both give the same bits.
+``SMDDP_SHM_NATIVE=0``) and runs the hierarchical plane's half-precision all-reduces (their
+parts cross hosts in float32). All ranks of a plane take the same path, and both give the
+same bits.
 
 The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 

@@ -4,8 +4,8 @@
 with torch tensor views of the segment. Each operation is a generator of waits: ``(rank or
 None, epoch)`` on the epoch words, or an MPI request (the hierarchical plane's step between
 hosts). :class:`~smddp.comm.backends.shm.Plane` drives them; it runs the same protocol in its
-compiled core where that is built, and these wherever it is not, for the hierarchical plane,
-and with ``SMDDP_SHM_NATIVE=0``.
+compiled core where that is built, and these wherever it is not, for the hierarchical plane's
+half-precision all-reduces, and with ``SMDDP_SHM_NATIVE=0``.
 """
 
 from __future__ import annotations
