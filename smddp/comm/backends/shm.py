@@ -295,8 +295,9 @@ class _Stepping:
         self.native_op = native_op
 
     def Test(self) -> bool:  # noqa: N802 - the name an MPI request's test has: TorchOps._reached calls it
+        # No wait here: the generator's driver checks again soon, and calls MPI between checks.
         native_op = self.native_op
-        return native_op.advance(_TEST_WAIT_NS) or native_op.exchange is not None
+        return native_op.advance(0) or native_op.exchange is not None
 
 
 class _Op(Pending):
@@ -317,9 +318,12 @@ class _Op(Pending):
         if not self.done:
             plane = self._plane
             with plane._lock:
-                if plane.native:
-                    plane._advance(_TEST_WAIT_NS)
+                queue = plane._queue
+                if queue and queue[0].native is not None:
+                    plane._advance(_TEST_WAIT_NS)  # the core waits (spins, then sleeps) itself
                 else:
+                    # A generator (the Python path, the hierarchical plane's exchange between
+                    # hosts): check often; MPI moves TCP traffic only while it is called.
                     for spin in range(_SPINS):
                         plane._advance(0)
                         if self.done:
