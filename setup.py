@@ -11,6 +11,9 @@ setup(
         Extension(
             "smddp.comm.backends._shm_native",
             ["smddp/comm/backends/_shm_native.c"],
+            # One translation unit: the .c includes these (listed, they ship in the sdist too).
+            depends=["smddp/comm/backends/_shm_fold.h", "smddp/comm/backends/_shm_sync.h",
+                     "smddp/comm/backends/_shm_ops.h"],
             extra_compile_args=["-O3", "-std=gnu11"],
             optional=True,
         )

@@ -1,0 +1,282 @@
+/* The shared-memory core's operations: one resumable state machine per collective.
+ * Included by _shm_native.c. */
+#ifndef SMDDP_SHM_OPS_H
+#define SMDDP_SHM_OPS_H
+
+/* ------------------------------------------------------------------ operations */
+enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_ALL_REDUCE_ACROSS };
+
+typedef struct {
+    PyObject_HEAD
+    Segment *seg;
+    int kind, dtype, op, esize, root, one_shot;
+    char *data;       /* all_reduce, broadcast: in and out; reduce_scatter, all_gather: output */
+    char *input;      /* reduce_scatter, all_gather: input */
+    Py_ssize_t n;     /* elements: all_reduce's and broadcast's total, the per-rank count otherwise */
+    Py_ssize_t chunk; /* elements per step */
+    Py_ssize_t pos, len;
+    long long step;
+    int phase, done;
+    int wait_rank;         /* -1: every rank */
+    long long wait_epoch;  /* 0: not waiting */
+    long long spun_epoch;  /* the wait already spun for: later advances sleep at once */
+    int world;             /* all_reduce_across: the job's size (divides an AVERAGE) */
+    int paused;            /* all_reduce_across: this rank's part waits for the exchange between hosts */
+} Op;
+
+static PyTypeObject OpType;
+
+#define MAX_RANKS 64
+
+/* Start a step: this rank's next buffer must be free (phase then goes on). */
+static int begin_step(Op *o) {
+    Segment *s = o->seg;
+    s->steps += 1;
+    o->step = s->steps;
+    o->wait_rank = -1;
+    o->wait_epoch = s->last_written;
+    return 0;
+}
+
+static void wait_for(Op *o, int who, long long epoch) {
+    o->wait_rank = who;
+    o->wait_epoch = epoch;
+}
+
+static void written(Op *o) {
+    Segment *s = o->seg;
+    publish(s);
+    s->last_written = s->epoch;
+}
+
+/* Start the next chunk (its step waits for its buffer to be free): 1 once there is none. */
+static int next_chunk(Op *o) {
+    if (o->pos >= o->n)
+        return 1;
+    o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
+    begin_step(o);
+    o->phase = 1;
+    return 0;
+}
+
+/* Publish this step's copy-in and wait until every rank has published its own. */
+static void written_wait_all(Op *o) {
+    written(o);
+    wait_for(o, -1, o->seg->epoch);
+}
+
+/* One piece of work; returns 1 when the operation is complete. Sets a wait to pause. */
+static int run_all_reduce(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    char *parts[MAX_RANKS];
+    Py_ssize_t es = o->esize;
+    for (;;) {
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1: { /* copy in: everything (one shot) or what the others reduce */
+            char *mine = buffer(s, me, o->step), *src = o->data + o->pos * es;
+            if (o->one_shot) {
+                copy(mine, src, o->len * es);
+            } else {
+                Py_ssize_t lo = bound(o->len, size, me), hi = bound(o->len, size, me + 1);
+                copy(mine, src, lo * es);
+                copy(mine + hi * es, src + hi * es, (o->len - hi) * es);
+            }
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        }
+        case 2: {
+            char *dst = o->data + o->pos * es;
+            if (o->one_shot) {
+                for (r = 0; r < size; r++)
+                    parts[r] = r == me ? dst : buffer(s, r, o->step);
+                fold_gil(o->dtype, dst, NULL, parts, size, o->len, o->op, size);
+                o->pos += o->len;
+                o->phase = 0;
+                break;
+            }
+            {
+                Py_ssize_t lo = bound(o->len, size, me), hi = bound(o->len, size, me + 1);
+                for (r = 0; r < size; r++)
+                    parts[r] = r == me ? dst + lo * es : buffer(s, r, o->step) + lo * es;
+                fold_gil(o->dtype, dst + lo * es, buffer(s, me, o->step) + lo * es, parts, size, hi - lo,
+                         o->op, size);
+            }
+            publish(s);
+            wait_for(o, -1, s->epoch);
+            o->phase = 3;
+            return 0;
+        }
+        case 3: { /* copy out the parts the others reduced */
+            char *dst = o->data + o->pos * es;
+            for (r = 0; r < size; r++) {
+                Py_ssize_t lo, hi;
+                if (r == me) continue;
+                lo = bound(o->len, size, r);
+                hi = bound(o->len, size, r + 1);
+                copy(dst + lo * es, buffer(s, r, o->step) + lo * es, (hi - lo) * es);
+            }
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+        }
+    }
+}
+
+static int run_reduce_scatter(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    char *parts[MAX_RANKS];
+    Py_ssize_t es = o->esize;
+    for (;;) {
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1: { /* cell r of this rank's buffer: its row r's current slice, for rank r */
+            char *mine = buffer(s, me, o->step);
+            for (r = 0; r < size; r++)
+                if (r != me)
+                    copy(mine + r * o->len * es, o->input + (r * o->n + o->pos) * es, o->len * es);
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        }
+        case 2:
+            for (r = 0; r < size; r++)
+                parts[r] = r == me ? o->input + (me * o->n + o->pos) * es : buffer(s, r, o->step) + me * o->len * es;
+            fold_gil(o->dtype, o->data + o->pos * es, NULL, parts, size, o->len, o->op, size);
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
+static int run_all_gather(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    Py_ssize_t es = o->esize;
+    for (;;) {
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1:
+            copy(buffer(s, me, o->step), o->input + o->pos * es, o->len * es);
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        case 2:
+            for (r = 0; r < size; r++)
+                copy(o->data + (r * o->n + o->pos) * es,
+                     r == me ? o->input + o->pos * es : buffer(s, r, o->step), o->len * es);
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
+static int run_broadcast(Op *o) {
+    Segment *s = o->seg;
+    int me = s->rank;
+    for (;;) {
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1:
+            if (me == o->root)
+                copy(buffer(s, me, o->step), o->data + o->pos, o->len);
+            written(o);
+            if (me == o->root) {
+                o->pos += o->len;
+                o->phase = 0;
+                break;
+            }
+            wait_for(o, o->root, s->epoch);
+            o->phase = 2;
+            return 0;
+        case 2:
+            copy(o->data + o->pos, buffer(s, o->root, o->step), o->len);
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
+static int run_barrier(Op *o) {
+    if (o->phase == 0) {
+        o->seg->steps += 1;
+        written_wait_all(o);
+        o->phase = 1;
+        return 0;
+    }
+    return 1;
+}
+
+/* The hierarchical plane's all-reduce: per chunk, every rank copies the chunk in, reduces its
+ * part over the host, pauses while Python all-reduces that part with the same local rank of
+ * the other hosts (MPI), then publishes it (AVERAGE divided by the world) and gathers the
+ * others' parts. */
+static int run_all_reduce_across(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    char *parts[MAX_RANKS];
+    Py_ssize_t es = o->esize, lo, hi;
+    for (;;) {
+        lo = bound(o->len, size, me);
+        hi = bound(o->len, size, me + 1);
+        switch (o->phase) {
+        case 0:
+            return next_chunk(o);
+        case 1:
+            copy(buffer(s, me, o->step), o->data + o->pos * es, o->len * es);
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        case 2: /* this rank's part over the host, not yet divided */
+            for (r = 0; r < size; r++)
+                parts[r] = buffer(s, r, o->step) + lo * es;
+            fold_gil(o->dtype, o->data + (o->pos + lo) * es, NULL, parts, size, hi - lo,
+                     o->op == R_AVG ? R_SUM : o->op, 1);
+            o->paused = 1;
+            o->phase = 3;
+            return 0;
+        case 3: { /* after the exchange: publish the part, divided for an AVERAGE */
+            char *part = o->data + (o->pos + lo) * es;
+            parts[0] = part;
+            fold_gil(o->dtype, part, buffer(s, me, o->step) + lo * es, parts, 1, hi - lo, o->op, o->world);
+            publish(s);
+            wait_for(o, -1, s->epoch);
+            o->phase = 4;
+            return 0;
+        }
+        case 4:
+            for (r = 0; r < size; r++) {
+                Py_ssize_t rlo = bound(o->len, size, r), rhi = bound(o->len, size, r + 1);
+                if (r != me)
+                    copy(o->data + (o->pos + rlo) * es, buffer(s, r, o->step) + rlo * es, (rhi - rlo) * es);
+            }
+            o->pos += o->len;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
+static int run(Op *o) {
+    switch (o->kind) {
+    case K_ALL_REDUCE: return run_all_reduce(o);
+    case K_REDUCE_SCATTER: return run_reduce_scatter(o);
+    case K_ALL_GATHER: return run_all_gather(o);
+    case K_BROADCAST: return run_broadcast(o);
+    case K_ALL_REDUCE_ACROSS: return run_all_reduce_across(o);
+    default: return run_barrier(o);
+    }
+}
+
+#endif
