@@ -180,6 +180,20 @@ static int check_dtype_op(int dtype, int op) {
     return 0;
 }
 
+/* A reducing operation of ``kind`` on ``dtype`` with ``op``, its data at ``addr``. */
+static Op *new_reducing_op(Segment *s, int kind, unsigned long long addr, int dtype, int op) {
+    Op *o;
+    if (check_dtype_op(dtype, op) < 0)
+        return NULL;
+    if ((o = new_op(s, kind)) == NULL)
+        return NULL;
+    o->data = (char *)(uintptr_t)addr;
+    o->dtype = dtype;
+    o->op = op;
+    o->esize = ELEMENT_SIZE[dtype];
+    return o;
+}
+
 static PyObject *Segment_all_reduce(Segment *s, PyObject *args) {
     unsigned long long addr;
     Py_ssize_t n, chunk_bytes, one_shot_max;
@@ -187,14 +201,8 @@ static PyObject *Segment_all_reduce(Segment *s, PyObject *args) {
     Op *o;
     if (!PyArg_ParseTuple(args, "Kniinn", &addr, &n, &dtype, &op, &chunk_bytes, &one_shot_max))
         return NULL;
-    if (check_dtype_op(dtype, op) < 0)
+    if ((o = new_reducing_op(s, K_ALL_REDUCE, addr, dtype, op)) == NULL)
         return NULL;
-    if ((o = new_op(s, K_ALL_REDUCE)) == NULL)
-        return NULL;
-    o->data = (char *)(uintptr_t)addr;
-    o->dtype = dtype;
-    o->op = op;
-    o->esize = ELEMENT_SIZE[dtype];
     o->n = n;
     o->one_shot = n * o->esize <= one_shot_max && n * o->esize <= s->slot;
     if (o->one_shot) {
@@ -214,8 +222,6 @@ static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
     Op *o;
     if (!PyArg_ParseTuple(args, "Kniini", &addr, &n, &dtype, &op, &chunk_bytes, &world))
         return NULL;
-    if (check_dtype_op(dtype, op) < 0)
-        return NULL;
     if (dtype == T_F16 || dtype == T_BF16) {
         PyErr_SetString(PyExc_ValueError, "all_reduce_across: half types are reduced in float32 by the Python path");
         return NULL;
@@ -224,12 +230,8 @@ static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "world %d is not a job size", world);
         return NULL;
     }
-    if ((o = new_op(s, K_ALL_REDUCE_ACROSS)) == NULL)
+    if ((o = new_reducing_op(s, K_ALL_REDUCE_ACROSS, addr, dtype, op)) == NULL)
         return NULL;
-    o->data = (char *)(uintptr_t)addr;
-    o->dtype = dtype;
-    o->op = op;
-    o->esize = ELEMENT_SIZE[dtype];
     o->n = n;
     o->world = world;
     o->chunk = (chunk_bytes < s->slot ? chunk_bytes : s->slot) / o->esize;
@@ -244,15 +246,9 @@ static PyObject *Segment_reduce_scatter(Segment *s, PyObject *args) {
     Op *o;
     if (!PyArg_ParseTuple(args, "KKniin", &out, &in, &m, &dtype, &op, &chunk_bytes))
         return NULL;
-    if (check_dtype_op(dtype, op) < 0)
+    if ((o = new_reducing_op(s, K_REDUCE_SCATTER, out, dtype, op)) == NULL)
         return NULL;
-    if ((o = new_op(s, K_REDUCE_SCATTER)) == NULL)
-        return NULL;
-    o->data = (char *)(uintptr_t)out;
     o->input = (char *)(uintptr_t)in;
-    o->dtype = dtype;
-    o->op = op;
-    o->esize = ELEMENT_SIZE[dtype];
     o->n = m;
     per = (chunk_bytes < s->slot ? chunk_bytes : s->slot) / (o->esize * s->size);
     o->chunk = per > 0 ? per : 1;

@@ -65,6 +65,20 @@ static void written_wait_all(Op *o) {
     wait_for(o, -1, o->seg->epoch);
 }
 
+/* Copy every other rank's part of the current chunk (the part it reduced) from its buffer. */
+static void gather_parts(Op *o) {
+    Segment *s = o->seg;
+    Py_ssize_t es = o->esize, lo, hi;
+    int r;
+    for (r = 0; r < s->size; r++) {
+        if (r == s->rank)
+            continue;
+        lo = bound(o->len, s->size, r);
+        hi = bound(o->len, s->size, r + 1);
+        copy(o->data + (o->pos + lo) * es, buffer(s, r, o->step) + lo * es, (hi - lo) * es);
+    }
+}
+
 /* One piece of work; returns 1 when the operation is complete. Sets a wait to pause. */
 static int run_all_reduce(Op *o) {
     Segment *s = o->seg;
@@ -110,19 +124,11 @@ static int run_all_reduce(Op *o) {
             o->phase = 3;
             return 0;
         }
-        case 3: { /* copy out the parts the others reduced */
-            char *dst = o->data + o->pos * es;
-            for (r = 0; r < size; r++) {
-                Py_ssize_t lo, hi;
-                if (r == me) continue;
-                lo = bound(o->len, size, r);
-                hi = bound(o->len, size, r + 1);
-                copy(dst + lo * es, buffer(s, r, o->step) + lo * es, (hi - lo) * es);
-            }
+        case 3:
+            gather_parts(o);
             o->pos += o->len;
             o->phase = 0;
             break;
-        }
         }
     }
 }
@@ -256,11 +262,7 @@ static int run_all_reduce_across(Op *o) {
             return 0;
         }
         case 4:
-            for (r = 0; r < size; r++) {
-                Py_ssize_t rlo = bound(o->len, size, r), rhi = bound(o->len, size, r + 1);
-                if (r != me)
-                    copy(o->data + (o->pos + rlo) * es, buffer(s, r, o->step) + rlo * es, (rhi - rlo) * es);
-            }
+            gather_parts(o);
             o->pos += o->len;
             o->phase = 0;
             break;
