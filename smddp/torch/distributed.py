@@ -361,7 +361,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Op
         _check_group(group)
     if not isinstance(tensor, torch.Tensor):
         _check_tensor(tensor)
-    handle = engine.all_reduce(tensor, _OPS[op] if op.__class__ is ReduceOp else _op(op), async_op)
+    handle = engine.all_reduce(tensor, _op(op), async_op)
     return handle if async_op else None
 
 

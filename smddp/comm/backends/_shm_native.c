@@ -362,33 +362,6 @@ static void Segment_dealloc(Segment *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-static PyObject *Segment_behind(Segment *s, PyObject *args) {
-    PyObject *who_obj, *out;
-    long long epoch;
-    int r;
-    if (!PyArg_ParseTuple(args, "OL", &who_obj, &epoch))
-        return NULL;
-    if (!s->open)
-        return PyList_New(0);
-    out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    for (r = 0; r < s->size; r++) {
-        if (who_obj != Py_None && PyLong_AsLong(who_obj) != r)
-            continue;
-        if (!reached(s, r, epoch)) {
-            PyObject *v = PyLong_FromLong(r);
-            if (v == NULL || PyList_Append(out, v) < 0) {
-                Py_XDECREF(v);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(v);
-        }
-    }
-    return out;
-}
-
 static PyMethodDef Segment_methods[] = {
     {"all_reduce", (PyCFunction)Segment_all_reduce, METH_VARARGS,
      "all_reduce(addr, numel, dtype, op, chunk_bytes, one_shot_max) -> Op: reduce in place."},
@@ -403,8 +376,6 @@ static PyMethodDef Segment_methods[] = {
     {"broadcast", (PyCFunction)Segment_broadcast, METH_VARARGS,
      "broadcast(addr, nbytes, root, chunk_bytes) -> Op: root's bytes into every rank's."},
     {"barrier", (PyCFunction)Segment_barrier, METH_NOARGS, "barrier() -> Op."},
-    {"behind", (PyCFunction)Segment_behind, METH_VARARGS,
-     "behind(rank_or_None, epoch) -> list of the ranks that have not published epoch."},
     {"publish", (PyCFunction)Segment_publish, METH_NOARGS,
      "publish() -> int: publish this rank's next epoch (waking its sleepers); returns it."},
     {"close", (PyCFunction)Segment_close, METH_NOARGS, "Release the mapping; later calls fail."},

@@ -39,9 +39,6 @@ PLANES = ("auto", "shm", "hierarchical", "mpi", "gloo")
 HIERARCHICAL_MIN_BYTES = int(os.environ.get("SMDDP_HIERARCHICAL_MIN_BYTES", 256 * 1024))
 
 
-_SHM_ALL_REDUCE = ("all_reduce", "shm")
-
-
 def requested_plane(env=os.environ) -> str:
     """The plane ``SMDDP_CPU_PLANE`` asks for (``auto`` when unset).
 
@@ -112,20 +109,19 @@ class PlaneCommunicator(MPICommunicator):
 
     def _used(self, collective: str, plane: str) -> None:
         key = (collective, plane)
-        count = self.plane_counts.get(key, 0)
-        self.plane_counts[key] = count + 1
-        if self._debug and not count:
+        counts = self.plane_counts
+        if key in counts:  # every call but the first: one lookup and one store
+            counts[key] += 1
+            return
+        counts[key] = 1
+        if self._debug:
             print(f"smddp: rank {self.rank}: {collective} on the {plane} plane", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- collectives
     def _all_reduce_shm(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         """all_reduce on the shm plane: bound as ``self.all_reduce`` (one call less on the
         path that small all-reduces take, where each costs a tenth of a microsecond)."""
-        counts = self.plane_counts
-        if _SHM_ALL_REDUCE in counts and not self._debug:
-            counts[_SHM_ALL_REDUCE] += 1
-        else:
-            self._used(*_SHM_ALL_REDUCE)
+        self._used("all_reduce", "shm")
         return self._shm.all_reduce(tensor, op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:

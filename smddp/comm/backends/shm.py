@@ -221,17 +221,17 @@ class Plane(TorchOps):
             self._queue.append(op)
         return op
 
-    def _advance(self, spin_ns: int) -> None:
+    def _advance(self, wait_ns: int) -> None:
         """Run queued operations until one must wait for other ranks (lock held).
 
-        ``spin_ns``: how long the compiled core may spin on a peer before returning.
+        ``wait_ns``: how long the compiled core may wait on a peer before returning.
         """
         queue = self._queue
         while queue:
             op = queue[0]
             try:
                 if op.native is not None:
-                    if not op.native.advance(spin_ns):
+                    if not op.native.advance(wait_ns):
                         self._check_peers(op.native.waiting)
                         return
                     op.done, op.keep = True, None

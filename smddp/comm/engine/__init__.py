@@ -145,9 +145,7 @@ class Engine(Health, Checks):
         The hot path of synchronous collectives: no handle, no lock.
         """
         try:
-            # Most small collectives have completed by now: test once before setting up a wait.
-            if not pending.test() and not poll(
-                    pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
+            if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
                 self._abandoned.append(pending)
                 raise self._stalled(seq, op_name)
         except CollectiveError:
