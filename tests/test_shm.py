@@ -46,6 +46,8 @@ def test_the_compiled_core_is_built():
 
     assert shm.native is not None, "smddp/comm/backends/_shm_native.c was not built: pip install -e . again"
     assert shm.native_wanted({}) and not shm.native_wanted({"SMDDP_SHM_NATIVE": "0"})
+    # Both implementations stop at the ranks whose epoch words the segment's header holds.
+    assert shm.native.MAX_RANKS == shm.MAX_LOCAL_RANKS == 64
 
 
 @pytest.mark.parametrize("np,slot", [(2, None), (3, 65536)])

@@ -67,6 +67,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bflo
                 torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8}
 _OP_CODES = {Op.SUM: 0, Op.AVERAGE: 1, Op.MIN: 2, Op.MAX: 3, Op.PRODUCT: 4}
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
+#: Ranks per host the segment's header has epoch words for (one cache line each).
+MAX_LOCAL_RANKS = HEADER // _WORD
 _SPINS = 64  # the Python path's flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
@@ -346,8 +348,15 @@ def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[P
         slot: bytes of each buffer.
 
     Returns:
-        The plane, or None when this is not x86-64 Linux or /dev/shm is too small.
+        The plane, or None when this is not x86-64 Linux, /dev/shm is too small, or the host
+        has more ranks than the segment's header holds (:data:`MAX_LOCAL_RANKS`).
     """
+    if comm.Get_size() > MAX_LOCAL_RANKS:
+        if comm.Get_rank() == 0:
+            warnings.warn(
+                f"smddp: the shared-memory plane serves at most {MAX_LOCAL_RANKS} ranks per host and this "
+                f"host has {comm.Get_size()}: CPU collectives go through MPI", RuntimeWarning, stacklevel=2)
+        return None
     votes = comm.allgather((supported(), native_wanted()))
     if not all(usable for usable, _ in votes):
         return None
