@@ -106,8 +106,8 @@ _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "stor
 
 # ---------------------------------------------------------------------------- checks
 def _engine() -> Engine:
-    pg = process_group.current()
-    if pg is None:
+    pg = process_group._current  # process_group.current(), inline: every call starts here
+    if pg is None or not tdist.is_initialized():
         raise NotInitializedError(
             "smddp is not initialized: call smddp.torch.distributed.init_process_group() first"
         )

@@ -260,7 +260,7 @@ else:
     check_reduce_scatter_tensor()
     check_async_out_of_order()
     check_all_to_all()
-    planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "plane_counts", {}))
+    planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "planes_used", ()))
     print(f"PLANES {rank} {','.join(planes)}", flush=True)
     print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
     dist.destroy_process_group()

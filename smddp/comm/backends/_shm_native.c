@@ -194,12 +194,24 @@ static Op *new_reducing_op(Segment *s, int kind, unsigned long long addr, int dt
     return o;
 }
 
-static PyObject *Segment_all_reduce(Segment *s, PyObject *args) {
+/* all_reduce(addr, n, dtype, op, chunk_bytes, one_shot_max): called for every all-reduce, so
+ * its arguments are read without PyArg_ParseTuple's format parsing. */
+static PyObject *Segment_all_reduce(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long addr;
     Py_ssize_t n, chunk_bytes, one_shot_max;
     int dtype, op;
     Op *o;
-    if (!PyArg_ParseTuple(args, "Kniinn", &addr, &n, &dtype, &op, &chunk_bytes, &one_shot_max))
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "all_reduce() takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    addr = PyLong_AsUnsignedLongLong(args[0]);
+    n = PyLong_AsSsize_t(args[1]);
+    dtype = (int)PyLong_AsLong(args[2]);
+    op = (int)PyLong_AsLong(args[3]);
+    chunk_bytes = PyLong_AsSsize_t(args[4]);
+    one_shot_max = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred())
         return NULL;
     if ((o = new_reducing_op(s, K_ALL_REDUCE, addr, dtype, op)) == NULL)
         return NULL;
@@ -363,7 +375,7 @@ static void Segment_dealloc(Segment *s) {
 }
 
 static PyMethodDef Segment_methods[] = {
-    {"all_reduce", (PyCFunction)Segment_all_reduce, METH_VARARGS,
+    {"all_reduce", (PyCFunction)(void (*)(void))Segment_all_reduce, METH_FASTCALL,
      "all_reduce(addr, numel, dtype, op, chunk_bytes, one_shot_max) -> Op: reduce in place."},
     {"all_reduce_across", (PyCFunction)Segment_all_reduce_across, METH_VARARGS,
      "all_reduce_across(addr, numel, dtype, op, chunk_bytes, world) -> Op: the hierarchical plane's "

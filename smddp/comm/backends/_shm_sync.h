@@ -6,7 +6,10 @@
 #define WORD_BYTES 64           /* bytes between two ranks' epoch words: a rank's header line */
 #define SLEEPERS_OFFSET 16      /* in a rank's header line (after its epoch and pid): an int32 count
                                    of the threads asleep on its epoch word */
-#define GIL_FREE_BYTES 65536    /* copies and reductions at least this large release the GIL */
+#define GIL_FREE_BYTES 65536
+#ifndef HOT_CHECKS
+#define HOT_CHECKS 32           /* checks of the peers' words before a wait gives up the GIL */
+#endif    /* copies and reductions at least this large release the GIL */
 
 /* ------------------------------------------------------------------ the segment */
 typedef struct {
@@ -114,6 +117,14 @@ static int spin(Segment *s, int who, long long epoch, long long budget_ns, long 
         return 1;
     if (budget_ns <= 0)
         return 0;
+    /* A peer in step publishes within a microsecond: check that long holding the GIL, which
+     * costs less than giving it up and taking it back. */
+    for (n = 0; n < HOT_CHECKS; n++) {
+        CPU_RELAX();
+        if (reached(s, who, epoch))
+            return 1;
+    }
+    n = 0;
     Py_BEGIN_ALLOW_THREADS
     start = now_ns();
     for (;;) {

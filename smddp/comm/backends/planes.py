@@ -13,15 +13,15 @@
 
 All-to-all and point-to-point always go through MPI. ``SMDDP_CPU_PLANE`` pins the choice
 (``auto``, ``shm``, ``hierarchical``, ``mpi``; ``gloo`` is handled by backend selection).
-With ``SMDDP_DEBUG`` set, the first use of each collective on each plane is printed, and
-:attr:`PlaneCommunicator.plane_counts` counts every call.
+:attr:`PlaneCommunicator.planes_used` records which plane each collective took; with
+``SMDDP_DEBUG`` set, the first use of each collective on each plane is printed.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -60,14 +60,14 @@ class PlaneCommunicator(MPICommunicator):
 
     Attributes:
         plane: ``"shm"``, ``"hierarchical"`` or ``"mpi"``.
-        plane_counts: ``{(collective, plane): calls}`` on this rank.
+        planes_used: the ``(collective, plane)`` pairs this rank has run.
     """
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         wanted = requested_plane()
         self.plane = "mpi"
-        self.plane_counts: Dict[Tuple[str, str], int] = {}
+        self.planes_used: Set[Tuple[str, str]] = set()
         self._shm: Optional[Plane] = None
         self._across = None
         self._debug = debug.enabled()
@@ -109,19 +109,19 @@ class PlaneCommunicator(MPICommunicator):
 
     def _used(self, collective: str, plane: str) -> None:
         key = (collective, plane)
-        counts = self.plane_counts
-        if key in counts:  # every call but the first: one lookup and one store
-            counts[key] += 1
+        if key in self.planes_used:  # every call but the first: one lookup
             return
-        counts[key] = 1
+        self.planes_used.add(key)
         if self._debug:
             print(f"smddp: rank {self.rank}: {collective} on the {plane} plane", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- collectives
     def _all_reduce_shm(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        """all_reduce on the shm plane: bound as ``self.all_reduce`` (one call less on the
-        path that small all-reduces take, where each costs a tenth of a microsecond)."""
+        """The first all_reduce on the shm plane: then the plane's own ``all_reduce`` is bound
+        as ``self.all_reduce``. Small all-reduces take this path, where each Python call
+        costs a tenth of a microsecond."""
         self._used("all_reduce", "shm")
+        self.all_reduce = self._shm.all_reduce
         return self._shm.all_reduce(tensor, op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:

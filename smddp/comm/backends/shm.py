@@ -123,13 +123,18 @@ class Plane(TorchOps):
         self._next_liveness = 0.0
 
     # ------------------------------------------------------------------ operations
-    def all_reduce(self, tensor: torch.Tensor, op: Op) -> Pending:
-        """Reduce flat contiguous ``tensor`` in place over the plane's ranks."""
+    def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int = 0) -> Pending:
+        """Reduce flat contiguous ``tensor`` in place over the plane's ranks.
+
+        ``tag``: not used (the plane's queue orders its operations); taken so that a
+        communicator can bind this method as its own ``all_reduce``.
+        """
         code = self._codes.get(tensor.dtype)
         if code is None:
             return self.start(self._all_reduce_gen(tensor, op))
-        return self._run(self._seg.all_reduce(
-            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX), tensor)
+        native_op = self._seg.all_reduce(
+            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX)
+        return self._run(native_op, tensor)
 
     def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int) -> Pending:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
