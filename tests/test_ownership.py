@@ -63,3 +63,32 @@ def test_mpi_thread_level_checked(level, refused):
         assert "REFUSED" in result.stdout and "MPI_THREAD_SERIALIZED" in result.stdout, result.output
     else:
         assert "ACCEPTED" in result.stdout, result.output
+
+
+def test_collective_done_as_it_starts_needs_no_thread():
+    """An asynchronous collective that completed as it started, with nothing in flight before
+    it, is done at once: its handle, torch's Work and future, and a callback added later; no
+    progress thread is started for it. One rank: its communicator completes everything at once."""
+    code = (
+        "import torch, torch.distributed as tdist\n"
+        "import smddp.torch.torch_smddp\n"
+        "tdist.init_process_group(backend='smddp')\n"
+        "import smddp.torch.distributed as dist\n"
+        "from smddp.torch import process_group\n"
+        "engine = process_group.current().engine\n"
+        "t = torch.arange(4.0)\n"
+        "h = dist.all_reduce(t, op=dist.ReduceOp.AVERAGE, async_op=True)\n"
+        "seen = []\n"
+        "h.add_done_callback(lambda handle: seen.append(handle.seq))\n"
+        "work = tdist.all_reduce(t, async_op=True)\n"
+        "future = tdist.broadcast(t, 0, async_op=True).get_future()\n"
+        "print('DONE', h.is_completed(), work.is_completed(), future.done(), seen == [h.seq])\n"
+        "print('THREAD', engine._thread is not None, len(engine._inflight))\n"
+        "print('VALUES', t.tolist())\n"
+        "tdist.destroy_process_group()\n"
+    )
+    result = python(["-c", code], timeout=120)
+    assert result.returncode == 0, result.output
+    assert "DONE True True True True" in result.stdout, result.output
+    assert "THREAD False 0" in result.stdout, result.output
+    assert "VALUES [0.0, 1.0, 2.0, 3.0]" in result.stdout, result.output

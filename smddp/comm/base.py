@@ -144,6 +144,18 @@ class Then(Pending):
         return self._action is None and self._pending.queue_after(action)
 
 
+def then(pending: Pending, action=None) -> Pending:
+    """``pending``, then ``action()`` (None: nothing): a :class:`Then`, except that an operation
+    that completed as it started (:data:`DONE`) runs ``action`` now and stays :data:`DONE`, so
+    the engine completes it without a handle to test."""
+    if action is None:
+        return pending
+    if pending is DONE:
+        action()
+        return DONE
+    return Then(pending, action)
+
+
 @dataclass
 class Context:
     """What a communicator is created from: the topology and the job's rendezvous."""

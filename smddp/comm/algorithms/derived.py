@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import HALF, Communicator, Op, Pending, Then, average, combine
+from smddp.comm.base import HALF, Communicator, Op, Pending, average, combine, then
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -65,11 +65,6 @@ class Holding(Pending):
 
     def queue_after(self, action) -> bool:
         return self._pending.queue_after(action)
-
-
-def _then(pending: Pending, action: Callable[[], object]) -> Pending:
-    """``action()`` once ``pending`` completes; on a stream-ordered operation's stream, at once."""
-    return Then(pending, action)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,7 +111,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
 
         def native(seq: int) -> Pending:
             pending = Holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
-            return _then(pending, after) if after else pending
+            return then(pending, after)
 
         return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
@@ -124,7 +119,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
 
     def start(seq: int) -> Pending:
         pending = comm.all_to_all_single(rows.view(-1), src, counts, counts, seq)
-        return _then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
+        return then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
     return _start(engine, "reduce_scatter_tensor", start, check)
@@ -174,7 +169,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
             out.detach().copy_(buf[r * n:(r + 1) * n].view(out.shape))
 
     def start(seq: int) -> Pending:
-        return _then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
+        return then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
     return _start(engine, "gather", start, check)
@@ -203,7 +198,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
 
     def start(seq: int) -> Pending:
         pending = Holding(comm.all_to_all_single(buf.view(-1), packed, receive, send, seq), packed, buf)
-        return _then(pending, after) if after else pending
+        return then(pending, after)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "scatter", start, check)
@@ -235,7 +230,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
             offset += count
 
     def start(seq: int) -> Pending:
-        return _then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
+        return then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "all_to_all", start, check)
@@ -337,7 +332,7 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
     pending = comm.recv(buf, src, tag)
     held = Holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
-    handle = _p2p(engine, f"recv from {peer} (tag {tag})", _then(held, after) if after else held)
+    handle = _p2p(engine, f"recv from {peer} (tag {tag})", then(held, after))
     return handle, lambda: pending.source
 
 

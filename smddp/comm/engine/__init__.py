@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Op, Pending, Then
+from smddp.comm.base import DONE, Communicator, Op, Pending, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine.checks import Checks
 from smddp.comm.engine.handle import Handle, poll
@@ -125,9 +125,17 @@ class Engine(Health, Checks):
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
                 raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
             handle = None
-            if async_op or self._inflight:
-                # A synchronous collective behind asynchronous ones completes after them.
+            if self._inflight:
+                # A collective behind asynchronous ones completes after them.
                 handle = self._track(Handle(self, seq, op_name, pending))
+            elif async_op:
+                handle = Handle(self, seq, op_name, pending)
+                if pending is DONE:
+                    # Completed as it started, nothing before it in flight: done, and no
+                    # thread need ever test it (most small collectives, torch's API's too).
+                    handle._finished = handle._done = True
+                else:
+                    self._track(handle)
         if async_op:
             self._last_handle = handle
             return handle
@@ -179,7 +187,7 @@ class Engine(Health, Checks):
 
         def start(seq: int) -> Pending:
             pending = comm.all_reduce(buf, op, seq)
-            return Then(pending, after) if after else pending
+            return then(pending, after)
 
         return self._start(name, start, async_op, check)
 
@@ -191,7 +199,7 @@ class Engine(Health, Checks):
 
         def start(seq: int) -> Pending:
             pending = comm.broadcast(buf, src, seq)
-            return Then(pending, after) if after else pending
+            return then(pending, after)
 
         check = None if self._debug is None else ("broadcast", None, tensor, src)
         return self._start("broadcast", start, async_op, check)
@@ -212,7 +220,7 @@ class Engine(Health, Checks):
                 out.detach().copy_(flat[i * src.numel():(i + 1) * src.numel()].view(out.shape))
 
         return self._start(
-            "all_gather", lambda seq: Then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
+            "all_gather", lambda seq: then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
             async_op, None if self._debug is None else ("all_gather", None, tensor),
         )
 
@@ -231,7 +239,7 @@ class Engine(Health, Checks):
 
         def start(seq: int) -> Pending:
             pending = comm.all_gather(buf.view(-1), src.view(-1), seq)
-            return Then(pending, after) if after else pending
+            return then(pending, after)
 
         check = None if self._debug is None else ("all_gather", None, input)
         return self._start("all_gather_into_tensor", start, async_op, check)
@@ -253,7 +261,7 @@ class Engine(Health, Checks):
 
         def start(seq: int) -> Pending:
             pending = comm.all_to_all_single(buf.view(-1), src.view(-1), out_counts, in_counts, seq)
-            return Then(pending, after) if after else pending
+            return then(pending, after)
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))
