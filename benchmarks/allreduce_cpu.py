@@ -11,6 +11,9 @@ Methods, all on float32 SUM, in place, over the same ranks:
 - ``smddp``: ``smddp.torch.distributed.all_reduce(t)`` on the ``mpi`` backend, on the CPU
   plane ``--plane`` pins (``SMDDP_CPU_PLANE``; by default shared memory when all ranks share
   a host, see docs/backends.md);
+- ``torch-api``: ``torch.distributed.all_reduce(t)`` on torch's default group, which is
+  smddp's: the call of v2 scripts (``init_process_group(backend="smddp")``), Hugging Face and
+  Lightning, through torch's dispatcher and smddp's ProcessGroup;
 - ``gloo``: ``torch.distributed.all_reduce(t, group=g)``, ``g = new_group(backend="gloo")``;
 - ``mpi4py-tensor``: ``comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)`` on the torch tensor
   (DLPack), the call a user of mpi4py writes;
@@ -67,6 +70,7 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
     array = np.ones(numel, dtype=np.float32)
     methods = {
         "smddp": lambda: dist.all_reduce(tensor),
+        "torch-api": lambda: tdist.all_reduce(tensor),
         "gloo": lambda: tdist.all_reduce(tensor, group=gloo),
         "mpi4py-tensor": lambda: comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM),
         "mpi4py-numpy": lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM),

@@ -111,17 +111,18 @@ class Handle:
             CollectiveTimeout: it did not complete in time (the job is then broken).
             CollectiveError: it failed.
         """
-        if timeout is not None:
-            self.deadline = min(self.deadline, time.monotonic() + timeout)
-        block = self._block if getattr(self._pending, "block", None) is not None else None
-        try:
-            # The handle fails itself at its deadline (see _advance); past it, it completes
-            # once the collectives issued before it have.
-            if not poll(self.is_completed, self.deadline, block):
-                poll(self.is_completed, math.inf)
-        except KeyboardInterrupt:
-            self._engine._interrupted(self.seq, self.op_name)
-            raise
+        if not self._done:  # most small collectives are done as they start
+            if timeout is not None:
+                self.deadline = min(self.deadline, time.monotonic() + timeout)
+            block = self._block if getattr(self._pending, "block", None) is not None else None
+            try:
+                # The handle fails itself at its deadline (see _advance); past it, it completes
+                # once the collectives issued before it have.
+                if not poll(self.is_completed, self.deadline, block):
+                    poll(self.is_completed, math.inf)
+            except KeyboardInterrupt:
+                self._engine._interrupted(self.seq, self.op_name)
+                raise
         if self._error is not None:
             raise self._error
         self._pending.waited()
