@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import HALF, Communicator, Op, Pending, average, combine, then
+from smddp.comm.base import DONE, HALF, Communicator, Op, Pending, average, combine, then
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -37,6 +37,12 @@ def _check(engine: Engine, *fields):
 
 def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=None) -> Handle:
     return engine._start(op_name, start, True, check)
+
+
+def holding(pending: Pending, *held) -> Pending:
+    """``pending``, keeping ``held`` alive until it completes (:class:`Holding`); an operation
+    that completed as it started (:data:`DONE`) needs nothing kept and stays :data:`DONE`."""
+    return pending if pending is DONE else Holding(pending, *held)
 
 
 class Holding(Pending):
@@ -110,7 +116,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         buf, after = engine._inplace(output)
 
         def native(seq: int) -> Pending:
-            pending = Holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
+            pending = holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
             return then(pending, after)
 
         return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
@@ -119,7 +125,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
 
     def start(seq: int) -> Pending:
         pending = comm.all_to_all_single(rows.view(-1), src, counts, counts, seq)
-        return then(Holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
+        return then(holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
     return _start(engine, "reduce_scatter_tensor", start, check)
@@ -169,7 +175,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
             out.detach().copy_(buf[r * n:(r + 1) * n].view(out.shape))
 
     def start(seq: int) -> Pending:
-        return then(Holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
+        return then(holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
     return _start(engine, "gather", start, check)
@@ -197,7 +203,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     receive = [n if r == src else 0 for r in range(engine.size)]
 
     def start(seq: int) -> Pending:
-        pending = Holding(comm.all_to_all_single(buf.view(-1), packed, receive, send, seq), packed, buf)
+        pending = holding(comm.all_to_all_single(buf.view(-1), packed, receive, send, seq), packed, buf)
         return then(pending, after)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
@@ -230,7 +236,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
             offset += count
 
     def start(seq: int) -> Pending:
-        return then(Holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
+        return then(holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "all_to_all", start, check)
@@ -309,7 +315,7 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
     engine._check_usable()
     comm = engine._comm_for(tensor)
     src = tensor.detach().contiguous()
-    return _p2p(engine, f"send to rank {dst} (tag {tag})", Holding(comm.send(src, dst, tag), src))
+    return _p2p(engine, f"send to rank {dst} (tag {tag})", holding(comm.send(src, dst, tag), src))
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
@@ -330,7 +336,7 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
     comm = engine._comm_for(tensor)
     buf, after = engine._inplace(tensor)
     pending = comm.recv(buf, src, tag)
-    held = Holding(pending, buf)
+    held = holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
     handle = _p2p(engine, f"recv from {peer} (tag {tag})", then(held, after))
     return handle, lambda: pending.source

@@ -39,12 +39,15 @@ class _Work(Pending):
 
     def block(self, seconds: float) -> None:
         """Sleep until gloo's thread completes the work or ``seconds`` pass."""
-        if self._work is None:
+        # Read once: the progress thread's test() may clear self._work meanwhile.
+        work = self._work
+        if work is None:
             return
-        if self._finished is None:
-            self._finished = threading.Event()
-            self._work.get_future().add_done_callback(lambda _: self._finished.set())
-        self._finished.wait(seconds)
+        finished = self._finished
+        if finished is None:
+            finished = self._finished = threading.Event()
+            work.get_future().add_done_callback(lambda _: finished.set())
+        finished.wait(seconds)
 
     def test(self) -> bool:
         if self._work is not None:

@@ -216,8 +216,9 @@ class Engine(Health, Checks):
         flat = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
 
         def scatter_back() -> None:
-            for i, out in enumerate(tensor_list):
-                out.detach().copy_(flat[i * src.numel():(i + 1) * src.numel()].view(out.shape))
+            # unbind() and view_as(): a few microseconds less per output than slicing and view(shape).
+            for out, part in zip(tensor_list, flat.view(self.size, src.numel()).unbind(0)):
+                (out.detach() if out.requires_grad else out).copy_(part.view_as(out))
 
         return self._start(
             "all_gather", lambda seq: then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
