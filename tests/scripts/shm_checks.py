@@ -192,12 +192,27 @@ def check_edges() -> None:
 
 
 def check_all_to_all() -> None:
-    """Not a shared-memory collective: it goes through MPI from the same communicator."""
+    """Equal and uneven splits (empty parts, parts over several of the core's steps)."""
     src = torch.arange(size * 4, dtype=torch.int64) + 100 * rank
     out = torch.empty(size * 4, dtype=torch.int64)
     dist.all_to_all_single(out, src)
     want = torch.cat([torch.arange(rank * 4, rank * 4 + 4) + 100 * r for r in range(size)])
     assert torch.equal(out, want), (out, want)
+
+    def rows(sender: int, receiver: int) -> int:  # a seeded, uneven matrix of part lengths
+        return [0, 3, 40_000, 1][(sender + 2 * receiver) % 4]
+
+    def part(sender: int, receiver: int, dtype: torch.dtype) -> torch.Tensor:
+        n = rows(sender, receiver)
+        return values(sender * size + receiver, n * 3, dtype, 7).view(n, 3)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        send = [rows(rank, r) for r in range(size)]
+        recv = [rows(r, rank) for r in range(size)]
+        src = torch.cat([part(rank, r, dtype) for r in range(size)])
+        out = torch.zeros(sum(recv), 3, dtype=dtype)
+        dist.all_to_all_single(out, src, output_split_sizes=recv, input_split_sizes=send)
+        assert torch.equal(out, torch.cat([part(r, rank, dtype) for r in range(size)])), dtype
     passed("all_to_all_single")
 
 

@@ -107,6 +107,7 @@ static PyObject *Op_get_done(Op *o, void *closure) {
 }
 
 static void Op_dealloc(Op *o) {
+    PyMem_Free(o->parts);
     Py_XDECREF(o->seg);
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -165,6 +166,7 @@ static Op *new_op(Segment *s, int kind) {
     o->spun_epoch = -1;
     o->world = 1;
     o->paused = 0;
+    o->parts = NULL;
     return o;
 }
 
@@ -304,6 +306,68 @@ static PyObject *Segment_broadcast(Segment *s, PyObject *args) {
     return (PyObject *)o;
 }
 
+/* Read a sequence of ``size`` byte counts into PART(field, r), with their running offsets. */
+static int read_counts(Op *o, PyObject *seq, int len_field, int off_field) {
+    Py_ssize_t r, size = o->seg->size, at = 0, v;
+    PyObject *fast = PySequence_Fast(seq, "counts must be a sequence");
+    if (fast == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != size) {
+        PyErr_Format(PyExc_ValueError, "counts has %zd entries; the segment has %zd ranks",
+                     PySequence_Fast_GET_SIZE(fast), size);
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (r = 0; r < size; r++) {
+        v = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, r));
+        if (v < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "counts must not be negative");
+            Py_DECREF(fast);
+            return -1;
+        }
+        PART(o, off_field, r) = at;
+        PART(o, len_field, r) = v;
+        at += v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *Segment_all_to_all(Segment *s, PyObject *args) {
+    unsigned long long out, in;
+    PyObject *send, *recv;
+    Py_ssize_t chunk_bytes;
+    Op *o;
+    if (!PyArg_ParseTuple(args, "KKOOn", &out, &in, &send, &recv, &chunk_bytes))
+        return NULL;
+    if ((o = new_op(s, K_ALL_TO_ALL)) == NULL)
+        return NULL;
+    o->data = (char *)(uintptr_t)out;
+    o->input = (char *)(uintptr_t)in;
+    o->chunk = ((chunk_bytes < s->slot ? chunk_bytes : s->slot) - A2A_HEADER) / s->size / 64 * 64;
+    if (o->chunk < 64) {
+        Py_DECREF(o);
+        PyErr_SetString(PyExc_ValueError, "the segment's buffers are too small for an all-to-all");
+        return NULL;
+    }
+    o->parts = PyMem_New(Py_ssize_t, 4 * (size_t)s->size);
+    if (o->parts == NULL) {
+        Py_DECREF(o);
+        return PyErr_NoMemory();
+    }
+    if (read_counts(o, send, A2A_SEND_LEN, A2A_SEND_OFF) < 0 || read_counts(o, recv, A2A_RECV_LEN, A2A_RECV_OFF) < 0) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    if (PART(o, A2A_SEND_LEN, s->rank) != PART(o, A2A_RECV_LEN, s->rank)) {
+        Py_DECREF(o);
+        PyErr_SetString(PyExc_ValueError, "this rank's part for itself must be as long sent as received");
+        return NULL;
+    }
+    return (PyObject *)o;
+}
+
 static PyObject *Segment_barrier(Segment *s, PyObject *noargs) {
     (void)noargs;
     return (PyObject *)new_op(s, K_BARRIER);
@@ -387,6 +451,9 @@ static PyMethodDef Segment_methods[] = {
      "all_gather(out_addr, in_addr, nbytes, chunk_bytes) -> Op: every rank's nbytes in rank order."},
     {"broadcast", (PyCFunction)Segment_broadcast, METH_VARARGS,
      "broadcast(addr, nbytes, root, chunk_bytes) -> Op: root's bytes into every rank's."},
+    {"all_to_all", (PyCFunction)Segment_all_to_all, METH_VARARGS,
+     "all_to_all(out_addr, in_addr, send_bytes, recv_bytes, chunk_bytes) -> Op: send_bytes[r] bytes "
+     "(consecutive in the input, rank order) to rank r; recv_bytes[r] from rank r into the output."},
     {"barrier", (PyCFunction)Segment_barrier, METH_NOARGS, "barrier() -> Op."},
     {"publish", (PyCFunction)Segment_publish, METH_NOARGS,
      "publish() -> int: publish this rank's next epoch (waking its sleepers); returns it."},

@@ -4,7 +4,7 @@
 #define SMDDP_SHM_OPS_H
 
 /* ------------------------------------------------------------------ operations */
-enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_ALL_REDUCE_ACROSS };
+enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_ALL_REDUCE_ACROSS, K_ALL_TO_ALL };
 
 typedef struct {
     PyObject_HEAD
@@ -22,11 +22,20 @@ typedef struct {
     long long spun_epoch;  /* the wait already spun for: later advances sleep at once */
     int world;             /* all_reduce_across: the job's size (divides an AVERAGE) */
     int paused;            /* all_reduce_across: this rank's part waits for the exchange between hosts */
+    Py_ssize_t *parts;     /* all_to_all: bytes sent to and received from each rank (see A2A_*) */
 } Op;
 
 static PyTypeObject OpType;
 
 #define MAX_RANKS 64
+
+/* all_to_all's table (Op.parts), size entries each: send offset, send length, receive offset,
+ * receive length, in bytes. In a step, a rank's buffer holds its largest send length (the
+ * first step's header, from which every rank learns how many steps the exchange takes), then
+ * one sub-buffer of ``chunk`` bytes per destination rank. */
+enum { A2A_SEND_OFF, A2A_SEND_LEN, A2A_RECV_OFF, A2A_RECV_LEN };
+#define A2A_HEADER 64
+#define PART(o, field, r) ((o)->parts[(field) * (o)->seg->size + (r)])
 
 /* Start a step: this rank's next buffer must be free (phase then goes on). */
 static int begin_step(Op *o) {
@@ -270,6 +279,64 @@ static int run_all_reduce_across(Op *o) {
     }
 }
 
+/* Every rank sends PART(SEND_LEN, r) bytes to rank r, ``chunk`` bytes per step and peer; the
+ * number of steps (Op.n) is known to all once they have read the first step's headers. */
+static int run_all_to_all(Op *o) {
+    Segment *s = o->seg;
+    int r, me = s->rank, size = s->size;
+    Py_ssize_t left;
+    for (;;) {
+        switch (o->phase) {
+        case 0:
+            if (o->n > 0 && o->pos >= o->n * o->chunk)
+                return 1;
+            begin_step(o);
+            o->phase = 1;
+            return 0;
+        case 1: {
+            char *mine = buffer(s, me, o->step);
+            if (o->n == 0) {
+                int64_t most = 0;
+                for (r = 0; r < size; r++)
+                    if (r != me && PART(o, A2A_SEND_LEN, r) > most)
+                        most = PART(o, A2A_SEND_LEN, r);
+                memcpy(mine, &most, sizeof most);
+                copy(o->data + PART(o, A2A_RECV_OFF, me), o->input + PART(o, A2A_SEND_OFF, me),
+                     PART(o, A2A_SEND_LEN, me));
+            }
+            for (r = 0; r < size; r++) {
+                left = PART(o, A2A_SEND_LEN, r) - o->pos;
+                if (r != me && left > 0)
+                    copy(mine + A2A_HEADER + r * o->chunk, o->input + PART(o, A2A_SEND_OFF, r) + o->pos,
+                         left < o->chunk ? left : o->chunk);
+            }
+            written_wait_all(o);
+            o->phase = 2;
+            return 0;
+        }
+        case 2:
+            if (o->n == 0) {
+                int64_t most = 0, theirs;
+                for (r = 0; r < size; r++) {
+                    memcpy(&theirs, buffer(s, r, o->step), sizeof theirs);
+                    if (theirs > most)
+                        most = theirs;
+                }
+                o->n = most > 0 ? (most + o->chunk - 1) / o->chunk : 1;
+            }
+            for (r = 0; r < size; r++) {
+                left = PART(o, A2A_RECV_LEN, r) - o->pos;
+                if (r != me && left > 0)
+                    copy(o->data + PART(o, A2A_RECV_OFF, r) + o->pos, buffer(s, r, o->step) + A2A_HEADER + me * o->chunk,
+                         left < o->chunk ? left : o->chunk);
+            }
+            o->pos += o->chunk;
+            o->phase = 0;
+            break;
+        }
+    }
+}
+
 static int run(Op *o) {
     switch (o->kind) {
     case K_ALL_REDUCE: return run_all_reduce(o);
@@ -277,6 +344,7 @@ static int run(Op *o) {
     case K_ALL_GATHER: return run_all_gather(o);
     case K_BROADCAST: return run_broadcast(o);
     case K_ALL_REDUCE_ACROSS: return run_all_reduce_across(o);
+    case K_ALL_TO_ALL: return run_all_to_all(o);
     default: return run_barrier(o);
     }
 }

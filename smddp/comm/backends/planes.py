@@ -11,7 +11,8 @@
   hosts (MPI) and an all-gather within the host; the other collectives go through MPI;
 - ``mpi``: MPI for everything (one rank per host, uneven hosts, no usable /dev/shm).
 
-All-to-all and point-to-point always go through MPI. ``SMDDP_CPU_PLANE`` pins the choice
+All-to-all goes through shared memory on the ``shm`` plane when the compiled core is built,
+else through MPI; point-to-point always goes through MPI. ``SMDDP_CPU_PLANE`` pins the choice
 (``auto``, ``shm``, ``hierarchical``, ``mpi``; ``gloo`` is handled by backend selection).
 :attr:`PlaneCommunicator.planes_used` records which plane each collective took; with
 ``SMDDP_DEBUG`` set, the first use of each collective on each plane is printed.
@@ -158,6 +159,9 @@ class PlaneCommunicator(MPICommunicator):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_counts: Sequence[int],
                           input_counts: Sequence[int], tag: int) -> Pending:
+        if self.plane == "shm" and self._shm.native:  # every rank of the plane voted the same way
+            self._used("all_to_all_single", "shm")
+            return self._shm.all_to_all(output, input, output_counts, input_counts)
         self._used("all_to_all_single", "mpi")
         return super().all_to_all_single(output, input, output_counts, input_counts, tag)
 

@@ -191,6 +191,14 @@ class Plane(TorchOps):
         return self._run(self._seg.broadcast(
             tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES), tensor)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts, input_counts) -> Pending:
+        """Send ``input_counts[r]`` elements of flat ``input`` (consecutive, rank order) to rank r;
+        receive ``output_counts[r]`` from rank r into flat ``output``. Compiled core only."""
+        es = input.element_size()
+        return self._run(self._seg.all_to_all(
+            output.data_ptr(), input.data_ptr(), [c * es for c in input_counts], [c * es for c in output_counts],
+            CHUNK_BYTES), (output, input))
+
     def barrier(self) -> Pending:
         """Complete once every rank of the plane has entered it."""
         if not self.native:
