@@ -151,3 +151,10 @@ def test_sweep_removes_only_segments_of_dead_processes(tmp_path):
     (tmp_path / "other-file").write_bytes(b"")
     assert sweep_stale(str(tmp_path)) == [f"smddp-shm-1-h-world-aaaaaa-p{dead.pid}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-file", f"smddp-shm-1-h-world-bbbbbb-p{os.getpid()}"]
+
+
+def test_slot_below_the_minimum_falls_back_to_mpi_with_one_warning():
+    # 4 KiB buffers could not give each of 64 peers a share of an all-to-all step.
+    result = mpirun(2, [SCRIPT, "checks", "mpi"], timeout=300, env={"SMDDP_SHM_SLOT_BYTES": "4096"})
+    assert_all_ranks_passed(result, 2, "mpi")
+    assert result.output.count("below the shared-memory plane's minimum") == 1, result.output

@@ -69,6 +69,9 @@ _OP_CODES = {Op.SUM: 0, Op.AVERAGE: 1, Op.MIN: 2, Op.MAX: 3, Op.PRODUCT: 4}
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
 #: Ranks per host the segment's header has epoch words for (one cache line each).
 MAX_LOCAL_RANKS = HEADER // _WORD
+#: The smallest buffer the plane runs with: every step then moves at least 64 bytes to each
+#: of up to MAX_LOCAL_RANKS peers (an all-to-all splits a step's buffer among them).
+MIN_SLOT_BYTES = 64 << 10
 _SPINS = 64  # the Python path's flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
@@ -361,9 +364,16 @@ def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[P
         slot: bytes of each buffer.
 
     Returns:
-        The plane, or None when this is not x86-64 Linux, /dev/shm is too small, or the host
-        has more ranks than the segment's header holds (:data:`MAX_LOCAL_RANKS`).
+        The plane, or None when this is not x86-64 Linux, /dev/shm is too small, ``slot`` is
+        below :data:`MIN_SLOT_BYTES`, or the host has more ranks than the segment's header holds
+        (:data:`MAX_LOCAL_RANKS`).
     """
+    if slot < MIN_SLOT_BYTES:
+        if comm.Get_rank() == 0:
+            warnings.warn(
+                f"smddp: SMDDP_SHM_SLOT_BYTES={slot} is below the shared-memory plane's minimum "
+                f"({MIN_SLOT_BYTES}): CPU collectives go through MPI", RuntimeWarning, stacklevel=2)
+        return None
     if comm.Get_size() > MAX_LOCAL_RANKS:
         if comm.Get_rank() == 0:
             warnings.warn(
