@@ -106,8 +106,8 @@ _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "stor
 
 # ---------------------------------------------------------------------------- checks
 def _engine() -> Engine:
-    pg = process_group._current  # process_group.current(), inline: every call starts here
-    if pg is None or not tdist.is_initialized():
+    pg = process_group.current()
+    if pg is None:
         raise NotInitializedError(
             "smddp is not initialized: call smddp.torch.distributed.init_process_group() first"
         )
@@ -361,8 +361,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Op
         _check_group(group)
     if not isinstance(tensor, torch.Tensor):
         _check_tensor(tensor)
-    handle = engine.all_reduce(tensor, _op(op), async_op)
-    return handle if async_op else None
+    return _handle(engine.all_reduce(tensor, _op(op), async_op), async_op)
 
 
 def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Handle]:

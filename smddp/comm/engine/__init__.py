@@ -109,8 +109,8 @@ class Engine(Health, Checks):
             A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.
         """
         # Ranks must start collectives in the same order: numbering and starting happen
-        # together, under one lock, whichever thread calls. acquire() and release() rather
-        # than `with`: 80 ns less, on the path of every small collective.
+        # together, under one lock, whichever thread calls. acquire() and release(): cheaper
+        # than `with`, on the path of every small collective.
         self._start_lock.acquire()
         try:
             if self._closed or self._broken is not None:
@@ -220,7 +220,7 @@ class Engine(Health, Checks):
         flat = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
 
         def scatter_back() -> None:
-            # unbind() and view_as(): a few microseconds less per output than slicing and view(shape).
+            # unbind() and view_as(): cheaper per output than slicing and view(shape).
             for out, part in zip(tensor_list, flat.view(self.size, src.numel()).unbind(0)):
                 (out.detach() if out.requires_grad else out).copy_(part.view_as(out))
 
