@@ -140,3 +140,13 @@ def test_v2_style_as_plain_python():
     )
     result = python(["-c", script]).check()
     assert "PLAIN_V2 0 1 [3.0, 3.0]" in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("torch_kind", ["", "--old-torch"])
+def test_destroy_closes_the_engine_and_init_may_follow(torch_kind):
+    """Three init/destroy cycles in one process (torch's own test suite, notebooks, Trainer
+    searches): each destroy closes smddp's engine, or the next init closes the one left open."""
+    args = ["tests/scripts/reinit.py"] + ([torch_kind] if torch_kind else [])
+    result = mpirun(2, args, timeout=120).check()
+    assert set(rank_lines(result.stdout, "REINIT_OK")) == {0, 1}

@@ -22,6 +22,11 @@ def register_backend(name: str, creator: Callable, devices) -> None:
     tdist.Backend.register_backend(name, creator, extended_api=True, devices=list(devices))
 
 
+#: torch 2.7 and later call every group's ``shutdown()`` from ``destroy_process_group()``;
+#: torch 2.4 to 2.6 call it only on NCCL's (their ``_shutdown_backend``).
+DESTROY_CALLS_SHUTDOWN = torch.__version__ >= (2, 7)
+
+
 def rendezvous_handlers() -> dict:
     """torch's table of ``init_method`` schemes to rendezvous functions."""
     return sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers

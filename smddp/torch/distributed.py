@@ -149,10 +149,6 @@ def _op(op) -> Op:
         ) from None
 
 
-def _handle(handle: Handle, async_op: bool) -> Optional[Handle]:
-    return handle if async_op else None
-
-
 # ---------------------------------------------------------------------------- setup
 def is_available() -> bool:
     """Check if script started as a distributed job.
@@ -361,7 +357,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Op
         _check_group(group)
     if not isinstance(tensor, torch.Tensor):
         _check_tensor(tensor)
-    return _handle(engine.all_reduce(tensor, _op(op), async_op), async_op)
+    return engine.all_reduce(tensor, _op(op), async_op)  # the engine's Handle, or None when synchronous
 
 
 def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -385,7 +381,7 @@ def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Hand
     engine = _engine()
     _check_group(group)
     _check_tensor(tensor)
-    return _handle(engine.broadcast(tensor, src, async_op), async_op)
+    return engine.broadcast(tensor, src, async_op)
 
 
 def all_gather(tensor_list, tensor, group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -415,7 +411,7 @@ def all_gather(tensor_list, tensor, group=group.WORLD, async_op=False) -> Option
         raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
     for i, out in enumerate(tensor_list):
         _check_tensor(out, f"tensor_list[{i}]")
-    return _handle(engine.all_gather(tensor_list, tensor, async_op), async_op)
+    return engine.all_gather(tensor_list, tensor, async_op)
 
 
 def all_to_all_single(
@@ -454,9 +450,7 @@ def all_to_all_single(
     _check_group(group)
     _check_tensor(output_t, "output_t")
     _check_tensor(input_t, "input_t")
-    return _handle(
-        engine.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, async_op), async_op
-    )
+    return engine.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, async_op)
 
 
 def barrier(group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -475,4 +469,4 @@ def barrier(group=group.WORLD, async_op=False) -> Optional[Handle]:
     """
     engine = _engine()
     _check_group(group)
-    return _handle(engine.barrier(async_op), async_op)
+    return engine.barrier(async_op)

@@ -92,11 +92,15 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         self._group_name = name
 
     def shutdown(self) -> None:
-        """``destroy_process_group(group)`` of a subgroup: close its engine and native backends now.
+        """``destroy_process_group(group)``: close this group's engine and native backends now.
 
-        The world's group is closed by :func:`destroy` instead.
+        torch calls it on every group it destroys (older versions call it only on NCCL's
+        groups; there the next world group closes one left open: see :func:`_create`).
         """
-        if self.engine.global_ranks is not None and _groups.forget(self):
+        if self.engine.global_ranks is None:
+            if self is _current:
+                destroy()
+        elif _groups.forget(self):
             self.engine.close()
             _shut_down_native(self)
 
@@ -286,9 +290,15 @@ _current: Optional[SmddpProcessGroup] = None
 _world_topology: Optional[Topology] = None
 
 
+#: torch destroys the world group through its shutdown() (see _compat): then ``_current``
+#: alone says whether it is live, and current() costs no call into torch (it is on the path
+#: of every smdistributed-API call).
+_DESTROY_CALLS_SHUTDOWN = _compat.DESTROY_CALLS_SHUTDOWN
+
+
 def current() -> Optional[SmddpProcessGroup]:
     """The active smddp group, if torch's default group is still it."""
-    if _current is None or not tdist.is_initialized():
+    if _current is None or not (_DESTROY_CALLS_SHUTDOWN or tdist.is_initialized()):
         return None
     return _current
 
@@ -340,6 +350,10 @@ def _create(options, backend_options=None) -> SmddpProcessGroup:
     global _current, _world_topology
     if tdist.is_initialized():
         return _groups.create_subgroup(options, _current, _world_topology, resolve_timeout(options.timeout))
+    # A world group torch destroyed without calling its shutdown() (older torch calls it
+    # only on NCCL's groups): close it before its successor opens, or its threads and
+    # shared memory would stay until exit, one set per init_process_group().
+    destroy()
     _tear_down_at_exit()
     rank, size = options.group_rank, options.group_size
     topology = _topology(rank, size)
