@@ -150,3 +150,22 @@ def test_destroy_closes_the_engine_and_init_may_follow(torch_kind):
     args = ["tests/scripts/reinit.py"] + ([torch_kind] if torch_kind else [])
     result = mpirun(2, args, timeout=120).check()
     assert set(rank_lines(result.stdout, "REINIT_OK")) == {0, 1}
+
+
+def test_torch_reduce_ops_map_to_smddp_ops():
+    """Every form torch hands a ProcessGroup a reduction in: constants, ReduceOp objects, the
+    options' field (torch's ReduceOp hashes to its code: smddp reads it that way where it can)."""
+    from smddp.comm.base import Op
+    from smddp.torch.process_group import torch_op
+
+    R = torch.distributed.ReduceOp
+    expected = {"SUM": Op.SUM, "AVG": Op.AVERAGE, "MIN": Op.MIN, "MAX": Op.MAX, "PRODUCT": Op.PRODUCT}
+    for name, op in expected.items():
+        options = torch.distributed.AllreduceOptions()
+        options.reduceOp = getattr(R, name)
+        assert torch_op(getattr(R, name)) is op
+        assert torch_op(R(getattr(R, name))) is op
+        assert torch_op(options.reduceOp) is op
+    for refused in (R.BAND, R.BOR, R.BXOR, R(R.BXOR), 3, 0, None, "sum"):
+        with pytest.raises(smddp.InvalidArgumentError, match="does not support ReduceOp"):
+            torch_op(refused)

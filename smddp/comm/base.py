@@ -43,6 +43,18 @@ class Op(enum.Enum):
     __hash__ = object.__hash__
 
 
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as a contiguous 1-D tensor outside autograd: ``tensor`` itself
+    when it is one, a view when it is contiguous, else a copy.
+
+    ``flatten()`` returns a 1-D tensor itself, where ``view(-1)`` and ``detach()`` make a new
+    one each (about a microsecond apiece here, on the path of every small collective).
+    """
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.contiguous().flatten()
+
+
 def average(tensor: torch.Tensor, size: int) -> None:
     """Turn a SUM into smddp's AVERAGE in place: divide by ``size`` (integers round toward zero)."""
     if tensor.is_floating_point():

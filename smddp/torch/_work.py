@@ -20,11 +20,14 @@ __all__ = ["RecvWork", "Work"]
 class Work(_compat.WorkBase):
     """torch's Work over an engine :class:`~smddp.comm.engine.Handle`."""
 
+    #: Made by the first get_future(); most Works never need one.
+    _future: Optional[torch.futures.Future] = None
+
     def __init__(self, handle: Handle, result: List[torch.Tensor]):
-        super().__init__()
+        # Every torch-API collective builds one: the base's __init__ named, not super()'s lookup.
+        _compat.WorkBase.__init__(self)
         self._handle = handle
         self._result = result
-        self._future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the group's timeout applies
         self._handle.wait()

@@ -30,13 +30,18 @@ from smddp.torch._work import RecvWork, Work
 
 BACKEND_NAME = "smddp"
 
-_RED_OPS = {
-    tdist.ReduceOp.RedOpType.SUM: Op.SUM,
-    tdist.ReduceOp.RedOpType.AVG: Op.AVERAGE,
-    tdist.ReduceOp.RedOpType.MIN: Op.MIN,
-    tdist.ReduceOp.RedOpType.MAX: Op.MAX,
-    tdist.ReduceOp.RedOpType.PRODUCT: Op.PRODUCT,
+_RED_OPS = {  # torch's reduction code (its RedOpType's value) to smddp's Op
+    tdist.ReduceOp.RedOpType.SUM.value: Op.SUM,
+    tdist.ReduceOp.RedOpType.AVG.value: Op.AVERAGE,
+    tdist.ReduceOp.RedOpType.MIN.value: Op.MIN,
+    tdist.ReduceOp.RedOpType.MAX.value: Op.MAX,
+    tdist.ReduceOp.RedOpType.PRODUCT.value: Op.PRODUCT,
 }
+_TORCH_REDUCE_OP = tdist.ReduceOp
+_RED_OP_TYPE = tdist.ReduceOp.RedOpType
+#: torch's ReduceOp hashes to its code (checked here, per kind): hash() reads it in one C call
+#: where ``.op.value`` takes two, each hundreds of ns, on the path of every torch-API reduction.
+_HASH_IS_CODE = all(hash(_TORCH_REDUCE_OP(_RED_OP_TYPE(code))) == code for code in _RED_OPS)
 
 
 # DDP's last gradient buckets are finished in the thread that runs backward for at most this
@@ -48,13 +53,19 @@ _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 def torch_op(reduce_op) -> Op:
     """smddp's :class:`Op` for a torch ``ReduceOp`` (an options field or a constant)."""
-    kind = getattr(reduce_op, "op", reduce_op)
-    try:
-        return _RED_OPS[kind]
-    except (KeyError, TypeError):
+    kind = reduce_op.__class__
+    if kind is _TORCH_REDUCE_OP:
+        code = hash(reduce_op) if _HASH_IS_CODE else reduce_op.op.value
+    elif kind is _RED_OP_TYPE:
+        code = reduce_op.value
+    else:
+        code = None
+    op = _RED_OPS.get(code)
+    if op is None:
         raise InvalidArgumentError(
             f"the smddp backend does not support ReduceOp {reduce_op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
-        ) from None
+        )
+    return op
 
 
 def _single(tensors, what: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import DONE, HALF, Communicator, Op, Pending, average, combine, then
+from smddp.comm.base import DONE, HALF, Communicator, Op, Pending, average, combine, flat, then
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -73,10 +73,6 @@ class Holding(Pending):
         return self._pending.queue_after(action)
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().view(-1)
-
-
 def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
     """Reduce the rows of ``rows`` (``size x n``) in row order into ``out`` (``n`` elements).
 
@@ -111,7 +107,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"reduce_scatter_tensor: input has {input.numel()} elements; it needs {engine.size} x {n} "
             f"(world size x output elements)"
         )
-    src = _flat(input)
+    src = flat(input)
     if type(comm).reduce_scatter is not Communicator.reduce_scatter:
         buf, after = engine._inplace(output)
 
@@ -140,7 +136,7 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
     inputs = _tensor_list(input_list, "input_list")
     engine._check_per_rank(inputs, output, "reduce_scatter", "input_list", "output")
     engine._comm_for(output, *inputs)
-    return reduce_scatter_tensor(engine, output, torch.cat([_flat(t) for t in inputs]), op)
+    return reduce_scatter_tensor(engine, output, torch.cat([flat(t) for t in inputs]), op)
 
 
 def reduce(engine: Engine, tensor: torch.Tensor, op: Op) -> Handle:
@@ -165,7 +161,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
     if root:
         engine._check_per_rank(outs, input, "gather", "gather_list", "input")
     comm = engine._comm_for(input, *outs)
-    src = _flat(input)
+    src = flat(input)
     buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
     send = [n if r == dst else 0 for r in range(engine.size)]
     receive = [n] * engine.size if root else [0] * engine.size
@@ -197,7 +193,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     if root:
         engine._check_per_rank(ins, output, "scatter", "scatter_list", "output")
     comm = engine._comm_for(output, *ins)
-    packed = torch.cat([_flat(t) for t in ins]) if root else output.new_empty(0)
+    packed = torch.cat([flat(t) for t in ins]) if root else output.new_empty(0)
     buf, after = engine._inplace(output)
     send = [n] * engine.size if root else [0] * engine.size
     receive = [n if r == src else 0 for r in range(engine.size)]
@@ -226,7 +222,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
     comm = engine._comm_for(*outs, *ins)
     send = [t.numel() for t in ins]
     receive = [t.numel() for t in outs]
-    packed = torch.cat([_flat(t) for t in ins])
+    packed = torch.cat([flat(t) for t in ins])
     buf = packed.new_empty(sum(receive))
 
     def unpack() -> None:

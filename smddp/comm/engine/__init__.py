@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Op, Pending, then
+from smddp.comm.base import DONE, Communicator, Op, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine.checks import Checks
 from smddp.comm.engine.handle import Handle, poll
@@ -216,16 +216,17 @@ class Engine(Health, Checks):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
         comm = self._comm_for(tensor, *tensor_list)
         self._check_per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
-        src = tensor.detach().contiguous()
-        flat = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
+        src = flat(tensor)
+        gathered = torch.empty(self.size * src.numel(), dtype=src.dtype, device=src.device)
 
         def scatter_back() -> None:
-            # unbind() and view_as(): cheaper per output than slicing and view(shape).
-            for out, part in zip(tensor_list, flat.view(self.size, src.numel()).unbind(0)):
-                (out.detach() if out.requires_grad else out).copy_(part.view_as(out))
+            # unbind(), and view_as() only where an output is not 1-D: cheaper per output than
+            # slicing and view(shape) (a view costs about a microsecond).
+            for out, part in zip(tensor_list, gathered.view(self.size, src.numel()).unbind(0)):
+                (out.detach() if out.requires_grad else out).copy_(part if out.dim() == 1 else part.view_as(out))
 
         return self._start(
-            "all_gather", lambda seq: then(comm.all_gather(flat, src.view(-1), seq), scatter_back),
+            "all_gather", lambda seq: then(comm.all_gather(gathered, src, seq), scatter_back),
             async_op, None if self._debug is None else ("all_gather", None, tensor),
         )
 
@@ -240,11 +241,10 @@ class Engine(Health, Checks):
                 f"{self.size} x {input.numel()}"
             )
         buf, after = self._inplace(output)
-        src = input.detach().contiguous()
+        out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:
-            pending = comm.all_gather(buf.view(-1), src.view(-1), seq)
-            return then(pending, after)
+            return then(comm.all_gather(out, src, seq), after)
 
         check = None if self._debug is None else ("all_gather", None, input)
         return self._start("all_gather_into_tensor", start, async_op, check)
@@ -262,11 +262,10 @@ class Engine(Health, Checks):
         out_counts = self._split_counts(output, output_split_sizes, "output")
         in_counts = self._split_counts(input, input_split_sizes, "input")
         buf, after = self._inplace(output)
-        src = input.detach().contiguous()
+        out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:
-            pending = comm.all_to_all_single(buf.view(-1), src.view(-1), out_counts, in_counts, seq)
-            return then(pending, after)
+            return then(comm.all_to_all_single(out, src, out_counts, in_counts, seq), after)
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))

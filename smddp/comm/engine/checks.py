@@ -25,16 +25,27 @@ class Checks:
     _cpu_comm: Optional[Communicator]
 
     def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
-        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
-            # The hot path (one tensor): a few attribute reads.
-            tensor = tensors[0]
-            comm = self._cpu_comm if tensor.is_cpu else self.comms.get(tensor.device.type)
-            if comm is not None and tensors[0].dtype in comm.dtypes:
-                return comm
-        device = tensors[0].device
+        tensor = tensors[0]
+        if isinstance(tensor, torch.Tensor):
+            # The hot paths, one tensor or CPU tensors of one dtype: a few attribute reads each
+            # (a torch.device, which the general path compares, costs a new object per read).
+            cpu = tensor.is_cpu
+            comm = self._cpu_comm if cpu else self.comms.get(tensor.device.type)
+            dtype = tensor.dtype
+            if comm is not None and dtype in comm.dtypes:
+                if len(tensors) == 1:
+                    return comm
+                if cpu:
+                    for t in tensors:
+                        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype):
+                            break
+                    else:
+                        return comm
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise InvalidTypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        device = tensor.device
+        for t in tensors:
             if t.device != device:
                 raise InvalidArgumentError(f"tensors are on different devices: {device} and {t.device}")
         comm = self.comms.get(device.type)
