@@ -112,7 +112,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         buf, after = engine._inplace(output)
 
         def native(seq: int) -> Pending:
-            pending = holding(comm.reduce_scatter(buf.view(-1), src, op, seq), src, buf)
+            pending = holding(comm.reduce_scatter(buf.flatten(), src, op, seq), src, buf)
             return then(pending, after)
 
         return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
@@ -199,7 +199,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     receive = [n if r == src else 0 for r in range(engine.size)]
 
     def start(seq: int) -> Pending:
-        pending = holding(comm.all_to_all_single(buf.view(-1), packed, receive, send, seq), packed, buf)
+        pending = holding(comm.all_to_all_single(buf.flatten(), packed, receive, send, seq), packed, buf)
         return then(pending, after)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))

@@ -6,10 +6,10 @@
 #define WORD_BYTES 64           /* bytes between two ranks' epoch words: a rank's header line */
 #define SLEEPERS_OFFSET 16      /* in a rank's header line (after its epoch and pid): an int32 count
                                    of the threads asleep on its epoch word */
-#define GIL_FREE_BYTES 65536
+#define GIL_FREE_BYTES 65536    /* copies and reductions at least this large release the GIL */
 #ifndef HOT_CHECKS
 #define HOT_CHECKS 32           /* checks of the peers' words before a wait gives up the GIL */
-#endif    /* copies and reductions at least this large release the GIL */
+#endif
 
 /* ------------------------------------------------------------------ the segment */
 typedef struct {
