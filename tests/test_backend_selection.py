@@ -24,7 +24,7 @@ import torch.distributed as tdist
 import smddp.comm as comm
 from smddp._topology import Topology
 from smddp.comm import BACKENDS, Probe, choose_backend
-from smddp.comm.backends.devices import check_device, companion_backend, pick_device, with_cpu_companion
+from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.nccl import (
     NCCL_2_10,
     NCCLCommunicator,
@@ -37,6 +37,7 @@ from smddp.comm.backends.nccl import (
 )
 from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
 from smddp.comm.base import Communicator, Context, Done, Op, Pending
+from smddp.comm.cpu import PlaneSettings, build, companion
 from smddp.comm.engine import Engine
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
@@ -403,7 +404,10 @@ def test_check_device_names_the_fix():
      (TORCHRUN2, True, "gloo")],
 )
 def test_cpu_companion_of_a_device_backend(topology, mpi4py, expected):
-    assert companion_backend(topology, mpi4py) == expected
+    assert companion(topology, mpi4py) == expected
+    # SMDDP_CPU_PLANE=gloo moves an MPI job's CPU tensors to gloo; elsewhere it changes nothing.
+    pinned = "gloo" if expected == "mpi" else expected
+    assert companion(topology, mpi4py, PlaneSettings(plane="gloo")) == pinned
 
 
 # ---------------------------------------------------------------------------- routing
@@ -492,25 +496,29 @@ def test_a_stream_aware_pending_completes_on_its_first_test():
     assert handle.wait() and StreamOrderedStub.tests == 1
 
 
-def test_with_cpu_companion_pairs_and_cleans_up(monkeypatch):
+def test_with_cpu_companion_pairs_and_cleans_up():
     made = []
 
     def make(ctx):
         made.append(Recorder(ctx, "fake-nccl", ("cuda",)))
         return made[-1]
 
-    comms = with_cpu_companion("cuda", make, _ctx())
+    ctx = _ctx()
+    ctx.cpu = lambda c: build("local", c, PlaneSettings())
+    comms = with_cpu_companion("cuda", make, ctx)
     assert list(comms) == ["cuda", "cpu"] and comms["cuda"] is made[0]
     assert comms["cpu"].name == "local"  # a world of one started without a launcher
 
-    class Broken(Recorder):
-        def __init__(self, ctx):
-            raise BackendUnavailableError("no gloo here")
+    def broken(ctx):
+        raise BackendUnavailableError("no gloo here")
 
-    monkeypatch.setattr(comm, "backend_class", lambda name: Broken)
+    ctx.cpu = broken
     with pytest.raises(BackendUnavailableError, match="no gloo here"):
-        with_cpu_companion("cuda", make, _ctx(TORCHRUN2), companion="gloo")
+        with_cpu_companion("cuda", make, ctx)
     assert made[-1].closed == 1  # the device communicator does not leak
+    ctx.cpu = None
+    with pytest.raises(BackendUnavailableError, match="needs a CPU communicator"):
+        with_cpu_companion("cuda", make, ctx)
 
 
 # ---------------------------------------------------------------------------- torch Work wrapper

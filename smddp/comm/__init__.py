@@ -13,6 +13,7 @@ imported only when their backend is chosen (importing ``mpi4py.MPI`` starts MPI)
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -20,21 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from smddp._topology import Topology
+from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL  # noqa: F401 - re-exported
 from smddp.errors import BackendUnavailableError
-
-#: What to install for each backend's library: the one place these hints are written; every
-#: error about a missing library and smddp-info's table name them.
-MPI_INSTALL = "pip install 'smddp[mpi]' (mpi4py and Open MPI)"
-CUDA_INSTALL = (
-    "pip install 'smddp[cuda]' (CuPy for CUDA 12: cupy-cuda12x; "
-    "for CUDA 13 install cupy-cuda13x instead)"
-)
-TORCH_CUDA_INSTALL = "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
-XPU_INSTALL = (
-    "a torch XPU build >= 2.8, which has XCCL (pip install torch --index-url "
-    "https://download.pytorch.org/whl/xpu), or Intel's oneCCL bindings (pip install oneccl_bind_pt "
-    "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/)"
-)
 
 
 @dataclass(frozen=True)
@@ -51,7 +39,7 @@ class BackendInfo:
 BACKENDS: Dict[str, BackendInfo] = {
     info.name: info
     for info in (
-        BackendInfo("mpi", "smddp.comm.backends.planes:PlaneCommunicator", "cpu",
+        BackendInfo("mpi", "smddp.comm.backends.mpi:MPICommunicator", "cpu",
                     MPI_INSTALL,
                     "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
         BackendInfo("gloo", "smddp.comm.backends.gloo:GlooCommunicator", "cpu",
@@ -228,18 +216,24 @@ def backend_class(name: str):
 def create_communicators(name: str, ctx) -> Dict[str, object]:
     """Build backend ``name``'s communicators: device type to communicator.
 
-    A backend class may define ``build(ctx)`` returning several (a GPU backend adds a CPU
-    communicator for CPU tensors); otherwise one instance serves its device type.
+    CPU tensors get :func:`smddp.comm.cpu.build`'s communicator: the backend's own (``mpi``,
+    ``gloo``) composed with the fastest plane the group's layout allows (shared memory
+    within a host), under any launcher. A device backend's class may define ``build(ctx)``
+    returning several (it adds the CPU communicator through ``ctx.cpu``); otherwise one
+    instance serves its device types. The CPU-plane settings are read from the environment
+    here, once per world group.
 
     Raises:
         BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
     """
-    if name == "mpi":
-        from smddp.comm.backends.planes import requested_plane
+    from smddp.comm import cpu  # imports torch: not at the registry's import
 
-        if requested_plane() == "gloo":  # SMDDP_CPU_PLANE pins gloo for CPU tensors
-            name = "gloo"
+    found = cpu.settings()
+    if name in ("mpi", "gloo"):
+        return {"cpu": cpu.build(name, ctx, found)}
     cls = backend_class(name)
+    companion = cpu.companion(ctx.topology, _has_module("mpi4py"), found)
+    ctx = dataclasses.replace(ctx, cpu=lambda c: cpu.build(companion, c, found))
     build = getattr(cls, "build", None)
     if build is not None:
         return build(ctx)

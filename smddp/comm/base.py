@@ -7,12 +7,11 @@ contiguous, detached tensors on its device, flat buffers for ``all_gather`` and
 :class:`Pending`; the engine owns sequence numbers, timeouts and handles, and holds every
 Pending (and so every buffer it references) until it completes, whoever holds the handle.
 
-Interface changes (issue 13): ``reduce_scatter(output, input, op, tag)`` is new and optional
-(the default raises NotImplementedError and the engine derives it from
-``all_to_all_single``); half precision is reduced in float32 on every backend (:data:`HALF`,
-:func:`widened`). ``Pending`` gains two optional hooks for stream-ordered operations
-(:meth:`Pending.waited`, :meth:`Pending.queue_after`), and a communicator that watches its
-own deadlines reports through :attr:`Communicator.on_timeout`.
+``reduce_scatter`` is optional: a backend without its own keeps the default, and the engine
+derives it from ``all_to_all_single``. Half precision is reduced in float32 on every CPU
+backend (:data:`HALF`, :func:`widened`). Stream-ordered operations (NCCL) use two optional
+hooks of :class:`Pending` (:meth:`Pending.waited`, :meth:`Pending.queue_after`), and a
+communicator that watches its own deadlines reports through :attr:`Communicator.on_timeout`.
 """
 
 from __future__ import annotations
@@ -176,6 +175,8 @@ class Context:
     timeout: timedelta
     store: Optional[Any] = None  # a torch.distributed.Store shared by all ranks, or None
     device: Optional[torch.device] = None
+    #: Makes the group's CPU communicator next to a device backend's (set by the registry).
+    cpu: Optional[Callable[[Context], Communicator]] = None
 
 
 class Communicator(abc.ABC):
@@ -206,6 +207,16 @@ class Communicator(abc.ABC):
     #: past its deadline (nccl's watchdog), naming the ranks that never arrived, and marks the
     #: job broken.
     on_timeout: Optional[Callable[[int, str], BaseException]] = None
+
+    #: Why this communicator's plane was chosen, and the settings it was chosen with (set by
+    #: :mod:`smddp.comm.cpu` on CPU communicators; subgroups reuse the settings).
+    plane_reason: str = ""
+    plane_settings: Optional[Any] = None
+
+    @property
+    def plane(self) -> str:
+        """How this communicator's bytes move: ``"shm"``, ``"hierarchical"``, or its backend's name."""
+        return self.name
 
     def __init__(self, ctx: Context):
         self.rank = ctx.topology.rank
@@ -257,6 +268,11 @@ class Communicator(abc.ABC):
             NotImplementedError: this backend has no native reduce-scatter.
         """
         raise NotImplementedError(f"the {self.name!r} backend has no native reduce_scatter")
+
+    @property
+    def native_reduce_scatter(self) -> bool:
+        """True when :meth:`reduce_scatter` is this communicator's own (else the engine derives it)."""
+        return type(self).reduce_scatter is not Communicator.reduce_scatter
 
     # Point-to-point is optional: a backend that cannot do it keeps these defaults.
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:

@@ -89,6 +89,23 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
         from smddp.comm.backends.local import LocalCommunicator
 
         return LocalCommunicator(ctx)
+    found = comm.plane_settings
+    if found is not None:
+        # A CPU communicator of the world's kind: the members' own flat one, then the best
+        # plane for where they are (a subgroup on one host gets shared memory).
+        from smddp.comm import cpu
+
+        flat = _flat(getattr(comm, "flat", comm), ranks, ctx)
+        try:
+            return cpu.compose(flat, ctx, found, f"g{len(ranks)}")
+        except BaseException:
+            flat.close()
+            raise
+    return _flat(comm, ranks, ctx)
+
+
+def _flat(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator:
+    """``comm``'s kind of communicator over ``ranks``, with no plane."""
     make = getattr(comm, "subgroup", None)
     if make is not None:
         return make(ranks, ctx)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Tuple
 import torch.distributed as tdist
 
 from smddp._topology import Topology
-from smddp.comm import MPI_INSTALL
+from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError
 
 

@@ -275,7 +275,11 @@ else:
     check_reduce_scatter_tensor()
     check_async_out_of_order()
     check_all_to_all()
-    planes = sorted(f"{c}:{p}" for c, p in getattr(comm, "planes_used", ()))
+    used = getattr(comm, "planes_used", None)
+    if used is None:  # a flat communicator: everything moves through it (reduce_scatter if its own)
+        used = {(c, comm.plane) for c in ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier")}
+        used.add(("reduce_scatter", comm.plane if comm.native_reduce_scatter else "derived"))
+    planes = sorted(f"{c}:{p}" for c, p in used)
     print(f"PLANES {rank} {','.join(planes)}", flush=True)
     print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
     dist.destroy_process_group()

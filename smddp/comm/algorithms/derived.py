@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import DONE, HALF, Communicator, Op, Pending, average, combine, flat, then
+from smddp.comm.base import DONE, HALF, Op, Pending, average, combine, flat, then
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -108,7 +108,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"(world size x output elements)"
         )
     src = flat(input)
-    if type(comm).reduce_scatter is not Communicator.reduce_scatter:
+    if comm.native_reduce_scatter:
         buf, after = engine._inplace(output)
 
         def native(seq: int) -> Pending:

@@ -9,47 +9,27 @@ backends; smddp can.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional
 
 import torch
 
-from smddp._topology import Topology
-from smddp.comm import CUDA_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.comm.base import Communicator, Context
+from smddp.comm.needs import CUDA_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 #: The install hints live with the registry (smddp.comm); re-exported for the device backends.
-__all__ = ["CUDA_INSTALL", "TORCH_CUDA_INSTALL", "XPU_INSTALL", "check_device", "companion_backend",
-           "device_count", "pick_device", "with_cpu_companion"]
-
-def companion_backend(topology: Topology, mpi4py: bool) -> str:
-    """The CPU backend that serves CPU tensors next to a device backend.
-
-    Args:
-        topology: this process's topology.
-        mpi4py: whether mpi4py is importable.
-
-    Returns:
-        ``"local"`` for a world of one started without a launcher, ``"mpi"`` under an MPI
-        launcher with mpi4py (unless ``SMDDP_CPU_PLANE=gloo``), else ``"gloo"``.
-    """
-    if not topology.distributed and topology.size == 1:
-        return "local"
-    if topology.mpi and mpi4py and os.environ.get("SMDDP_CPU_PLANE", "").strip().lower() != "gloo":
-        return "mpi"
-    return "gloo"
-
+__all__ = ["CUDA_INSTALL", "TORCH_CUDA_INSTALL", "XPU_INSTALL", "check_device", "device_count",
+           "pick_device", "with_cpu_companion"]
 
 def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator],
-                       ctx: Context, companion: Optional[str] = None) -> Dict[str, Communicator]:
+                       ctx: Context) -> Dict[str, Communicator]:
     """The device communicator ``make(ctx)`` first, then a CPU communicator for CPU tensors.
 
     Args:
         device_type: the device type the device communicator serves (``"cuda"``, ``"xpu"``).
         make: creates the device communicator.
-        ctx: the job's context.
-        companion: the CPU backend's name; default :func:`companion_backend`.
+        ctx: the job's context; ``ctx.cpu(ctx)`` makes the CPU communicator (the registry sets
+            it: :func:`smddp.comm.cpu.build` over the launcher's CPU backend).
 
     Returns:
         ``{device_type: device_comm, "cpu": cpu_comm}``; the engine treats the first as the
@@ -57,15 +37,15 @@ def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator]
 
     Raises:
         BackendUnavailableError: either communicator cannot start (the device one is closed
-            again when the CPU one fails).
+            again when the CPU one fails), or ``ctx`` has no CPU factory.
     """
-    from smddp.comm import _has_module, backend_class
-
-    if companion is None:
-        companion = companion_backend(ctx.topology, _has_module("mpi4py"))
+    if ctx.cpu is None:
+        raise BackendUnavailableError(
+            f"the {device_type} backend needs a CPU communicator for CPU tensors: create it through "
+            f"smddp.comm.create_communicators")
     device_comm = make(ctx)
     try:
-        cpu_comm = backend_class(companion)(ctx)
+        cpu_comm = ctx.cpu(ctx)
     except BaseException:
         device_comm.close()
         raise

@@ -24,8 +24,8 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook
-from smddp.comm import MPI_INSTALL
 from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
+from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 try:
@@ -162,12 +162,13 @@ class MPICommunicator(Communicator):
         super().__init__(ctx)
         _check_thread_level()
         _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
+        self._ctx = ctx
         self._base = MPI.COMM_WORLD if base is None else base
         self.comm = self._base.Dup()
         # Users' point-to-point tags get a communicator of their own: they can never
         # match the ring's messages.
         self.p2p = self._base.Dup()
-        self.max_tag = int(self.p2p.Get_attr(MPI.TAG_UB))
+        self.max_tag = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # MPI sets it on the world alone
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._large_comm = None
@@ -207,6 +208,15 @@ class MPICommunicator(Communicator):
             return MPICommunicator(ctx, created)
         finally:
             created.Free()
+
+    def split(self, color: int, key: int) -> MPICommunicator:
+        """A communicator of this one's ranks with the same ``color``, ordered by ``key``
+        (``MPI_Comm_split``: every rank of this communicator calls it)."""
+        part = self.comm.Split(color=color, key=key)
+        try:
+            return MPICommunicator(self._ctx, part)
+        finally:
+            part.Free()
 
     # ---------------------------------------------------------------- all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:

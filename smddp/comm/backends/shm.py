@@ -8,8 +8,8 @@ buffers. No trailing barrier: the epoch words order everything.
 
 - a small all_reduce is one step (every rank reduces every buffer, in rank order, so every
   rank computes the same bits); larger ones run a reduce-scatter and an all-gather per
-  slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``:
-  32 KiB by default in the compiled core, 1 MiB in the Python path.
+  slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``
+  (32 KiB) in the compiled core, a fixed 1 MiB in the Python path.
 - float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does.
 - Operations run one at a time in issue order (a later operation waits for the earlier
   ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
@@ -27,8 +27,11 @@ same bits.
 The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 
 The Python path's epoch words rely on x86-64's ordering of stores (data before flag; the
-compiled core uses release/acquire atomics); elsewhere :func:`supported` is False and the MPI
-plane is used.
+compiled core uses release/acquire atomics); elsewhere :func:`supported` is False and the
+group's flat communicator (MPI or gloo) serves.
+
+The ranks meet through the group's torch Store (:mod:`smddp.comm.backends.hostmates`), so
+the plane starts under any launcher.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes, supported
-from smddp.comm.backends.shm_torch import Counters, TorchOps, _mpi_in_place, _Wait
+from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
+from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
 from smddp.comm.base import DONE, HALF, Op, Pending
 from smddp.errors import CollectiveError
 
@@ -88,8 +91,8 @@ class Plane(TorchOps):
     issue order.
 
     Args:
-        comm: an mpi4py communicator of exactly the ranks that share the segment (used only
-            during set-up, to agree on the segment's name).
+        host: the set-up channel of exactly the ranks that share the segment
+            (:class:`~smddp.comm.backends.hostmates.HostChannel`, over the group's store).
         group: a name for the group (part of the segment's name).
         slot: bytes of each buffer.
         use_native: run operations in the compiled core (every rank must pass the same).
@@ -102,15 +105,15 @@ class Plane(TorchOps):
             fallback).
     """
 
-    def __init__(self, comm, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False):
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+    def __init__(self, host, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False):
+        self.rank, self.size = host.rank, host.size
         self.slot = slot
-        self.name, self._mm = map_segment(comm, group, segment_bytes(self.size, slot))
+        self.name, self._mm = map_segment(host, group, segment_bytes(self.size, slot))
         self._words = memoryview(self._mm).cast("q")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._stride = _WORD // 8
         self._words[self.rank * self._stride + 1] = os.getpid()
-        comm.Barrier()
+        host.barrier()
         self._pids = [self._words[r * self._stride + 1] for r in range(self.size)]
         # The compiled core keeps the protocol's counters; the Python path shares them.
         self._seg = native.Segment(self._mm, self.rank, self.size, slot, HEADER, SPIN_NS) if use_native else None
@@ -138,28 +141,29 @@ class Plane(TorchOps):
         return self._run(self._seg.all_reduce(
             tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX), tensor)
 
-    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int) -> Pending:
+    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int) -> Pending:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
-        the hosts' parts through ``across`` (an mpi4py communicator of the ranks with this local rank).
+        the hosts' parts through ``across`` (a communicator of the ranks with this local rank,
+        one per host: MPI or gloo).
 
         Per slice: each local rank reduces its part of the slice over the host, all-reduces that
-        part with the same local rank of every other host (MPI, float32 for half types), and
-        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE. The
-        compiled core runs the steps within the host and pauses for each exchange between
-        hosts; half types take the Python path (they cross hosts in float32).
+        part with the same local rank of every other host (float32 for half types), and the
+        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE; ``tag`` is
+        the collective's sequence number, passed to ``across``. The compiled core runs the
+        steps within the host and pauses for each exchange between hosts; half types take the
+        Python path (they cross hosts in float32).
         """
         code = self._codes.get(tensor.dtype)
         if code is None or tensor.dtype in HALF:
-            return self.start(self._all_reduce_across_gen(tensor, op, across, mpi_op, mpi_type, world))
+            return self.start(self._all_reduce_across_gen(tensor, op, across, world, tag))
         native_op = self._seg.all_reduce_across(tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op],
                                                 CHUNK_BYTES, world)
-        return self.start(self._across_native_gen(native_op, tensor.view(-1), across, mpi_op, mpi_type))
+        return self.start(self._across_native_gen(native_op, tensor.view(-1), across, op, tag))
 
-    def _across_native_gen(self, native_op, flat: torch.Tensor, across, mpi_op, mpi_type) -> Iterator:
+    def _across_native_gen(self, native_op, flat: torch.Tensor, across, op: Op, tag: int) -> Iterator:
         """Drive the core's all_reduce_across; between its pauses, all-reduce each part between hosts."""
-        from smddp.comm.backends.mpi import _buffer
-
         stepping = _Stepping(native_op)
+        across_op = Op.SUM if op is Op.AVERAGE else op  # the core divides by the group's size
         while not native_op.done:
             exchange = native_op.exchange
             if exchange is None:
@@ -167,8 +171,7 @@ class Plane(TorchOps):
                 continue
             first, count = exchange
             if count:
-                part = flat[first:first + count]
-                yield across.Iallreduce(_mpi_in_place(), _buffer(part, mpi_type(part.dtype)), op=mpi_op)
+                yield across.all_reduce(flat[first:first + count], across_op, tag)
             native_op.resume()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Pending:
@@ -314,7 +317,7 @@ class _Stepping:
     def __init__(self, native_op):
         self.native_op = native_op
 
-    def Test(self) -> bool:  # noqa: N802 - the name an MPI request's test has: TorchOps._reached calls it
+    def test(self) -> bool:
         # No wait here: the generator's driver checks again soon, and calls MPI between checks.
         native_op = self.native_op
         return native_op.advance(0) or native_op.exchange is not None
@@ -355,13 +358,15 @@ class _Op(Pending):
         return self.done
 
 
-def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[Plane]:
-    """A :class:`Plane` over ``comm``'s ranks, or None (one warning, on local rank 0) where it cannot be had.
+def open_plane(host, votes, group: str = "world", slot: int = SLOT_BYTES) -> Optional[Plane]:
+    """A :class:`Plane` over one host's ranks, or None (one warning, on local rank 0) where it cannot be had.
 
-    The plane runs in the compiled core when every rank has it (:func:`native_wanted`).
+    The plane runs in the compiled core when every rank of the host has it.
 
     Args:
-        comm: an mpi4py communicator whose ranks share this host.
+        host: the host's set-up channel (:class:`~smddp.comm.backends.hostmates.HostChannel`).
+        votes: ``(supported(), native_wanted())`` of each rank of the host, the same list on
+            every one of them (exchanged through the store with the host identities).
         group: a name for the group, part of the segment's name.
         slot: bytes of each buffer.
 
@@ -371,26 +376,25 @@ def open_plane(comm, group: str = "world", slot: int = SLOT_BYTES) -> Optional[P
         (:data:`MAX_LOCAL_RANKS`).
     """
     if slot < MIN_SLOT_BYTES:
-        if comm.Get_rank() == 0:
+        if host.rank == 0:
             warnings.warn(
                 f"smddp: SMDDP_SHM_SLOT_BYTES={slot} is below the shared-memory plane's minimum "
-                f"({MIN_SLOT_BYTES}): CPU collectives go through MPI", RuntimeWarning, stacklevel=2)
+                f"({MIN_SLOT_BYTES}): CPU collectives do not use shared memory", RuntimeWarning, stacklevel=2)
         return None
-    if comm.Get_size() > MAX_LOCAL_RANKS:
-        if comm.Get_rank() == 0:
+    if host.size > MAX_LOCAL_RANKS:
+        if host.rank == 0:
             warnings.warn(
                 f"smddp: the shared-memory plane serves at most {MAX_LOCAL_RANKS} ranks per host and this "
-                f"host has {comm.Get_size()}: CPU collectives go through MPI", RuntimeWarning, stacklevel=2)
+                f"host has {host.size}: CPU collectives do not use shared memory", RuntimeWarning, stacklevel=2)
         return None
-    votes = comm.allgather((supported(), native_wanted()))
     if not all(usable for usable, _ in votes):
         return None
     try:
-        return Plane(comm, group, slot, use_native=all(with_native for _, with_native in votes))
+        return Plane(host, group, slot, use_native=all(with_native for _, with_native in votes))
     except OSError as exc:
-        if comm.Get_rank() == 0:
+        if host.rank == 0:
             warnings.warn(
-                f"smddp: shared-memory plane unavailable, CPU collectives go through MPI: {exc} "
-                f"(enlarge it, e.g. docker run --shm-size=1g, or set SMDDP_SHM_SLOT_BYTES lower)",
+                f"smddp: shared-memory plane unavailable, CPU collectives do not use it: {exc} "
+                f"(enlarge /dev/shm, e.g. docker run --shm-size=1g, or set SMDDP_SHM_SLOT_BYTES lower)",
                 RuntimeWarning, stacklevel=2)
         return None

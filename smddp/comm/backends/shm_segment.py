@@ -84,11 +84,12 @@ def _create(name: str, nbytes: int) -> Optional[str]:
     return None
 
 
-def map_segment(comm, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
-    """Create a segment of ``nbytes`` for ``comm``'s ranks and map it on every one of them.
+def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
+    """Create a segment of ``nbytes`` for one host's ranks and map it on every one of them.
 
     Args:
-        comm: an mpi4py communicator of exactly the ranks that share the segment.
+        host: the host's set-up channel (:class:`smddp.comm.backends.hostmates.HostChannel`):
+            its ``rank``, ``size``, ``publish``, ``read`` and ``barrier``.
         group: a name for the group (part of the segment's name).
         nbytes: the segment's size (:func:`segment_bytes`).
 
@@ -96,31 +97,40 @@ def map_segment(comm, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
         The segment's name and this rank's mapping of it (the file is already unlinked).
 
     Raises:
-        OSError: /dev/shm cannot hold the segment (on every rank).
+        OSError: a rank of the host cannot map it (/dev/shm too small, or not the same
+            /dev/shm): raised on every rank of the host.
     """
-    rank = comm.Get_rank()
-    name = reason = None
-    if rank == 0:
-        host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    if host.rank == 0:
+        hostname = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
         job = os.environ.get("OMPI_COMM_WORLD_JOBID") or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:8]
-        name = f"{_PREFIX}{job}-{host}-{group}-{uuid.uuid4().hex[:6]}-p{os.getpid()}"
+        name = f"{_PREFIX}{job}-{hostname}-{group}-{uuid.uuid4().hex[:6]}-p{os.getpid()}"
         reason = _create(name, nbytes)
-    name, reason = comm.bcast((name, reason), root=0)
-    if reason is not None:
-        raise OSError(reason)
+        host.publish("segment", "!" + reason if reason is not None else name)
+    published = host.read("segment")
+    if published.startswith("!"):
+        raise OSError(published[1:])
+    name = published
     path = os.path.join(SHM_DIR, name)
+    mapping = None
     try:
         fd = os.open(path, os.O_RDWR)
         try:
             mapping = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-    finally:
-        # Unlink once every rank has it mapped: from now on no crash can leave it behind.
-        comm.Barrier()
-        if rank == 0:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    except OSError as exc:
+        host.publish(f"mapped/{host.rank}", f"local rank {host.rank}: {exc}")
+    else:
+        host.publish(f"mapped/{host.rank}", "")
+    # Unlink once every rank has tried: from now on no crash can leave it behind.
+    failures = [reason for reason in (host.read(f"mapped/{r}") for r in range(host.size)) if reason]
+    if host.rank == 0:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if failures:
+        if mapping is not None:
+            mapping.close()
+        raise OSError("; ".join(failures))
     return name, mapping

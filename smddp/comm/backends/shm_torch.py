@@ -2,7 +2,7 @@
 
 :class:`TorchOps` holds the plane's protocol (see :mod:`smddp.comm.backends.shm`) written
 with torch tensor views of the segment. Each operation is a generator of waits: ``(rank or
-None, epoch)`` on the epoch words, or an MPI request (the hierarchical plane's step between
+None, epoch)`` on the epoch words, or a Pending (the hierarchical plane's step between
 hosts). :class:`~smddp.comm.backends.shm.Plane` drives them; it runs the same protocol in its
 compiled core where that is built, and these wherever it is not, for the hierarchical plane's
 half-precision all-reduces, and with ``SMDDP_SHM_NATIVE=0``.
@@ -10,7 +10,6 @@ half-precision all-reduces, and with ``SMDDP_SHM_NATIVE=0``.
 
 from __future__ import annotations
 
-import os
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -19,8 +18,9 @@ from smddp.comm.backends.shm_segment import HEADER
 from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, average, combine
 
-#: All-reduces up to this many bytes run in one step (every rank reduces everything).
-ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 1 << 20))
+#: All-reduces up to this many bytes run in one step (every rank reduces everything). Fixed:
+#: ``SMDDP_SHM_ONE_SHOT_MAX`` tunes the compiled core, whose copies cost less per step.
+ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
@@ -70,7 +70,7 @@ class TorchOps:
 
     def _reached(self, wait) -> bool:
         if not isinstance(wait, tuple):
-            return wait.Test()  # an MPI request (the hierarchical plane's step between hosts)
+            return wait.test()  # a Pending (the hierarchical plane's step between hosts)
         rank, epoch = wait
         words, stride = self._words, self._stride
         if rank is not None:
@@ -163,17 +163,16 @@ class TorchOps:
             if r != self.rank:
                 flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
 
-    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, mpi_op, mpi_type, world: int
-                          ) -> Iterator[_Wait]:
+    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int
+                               ) -> Iterator[_Wait]:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
-        the hosts' parts through ``across`` (an mpi4py communicator of the ranks with this local rank).
+        the hosts' parts through ``across`` (a communicator of the ranks with this local rank).
 
         Per slice: each local rank reduces its part of the slice over the host, all-reduces that
-        part with the same local rank of every other host (MPI, float32 for half types), and
-        the host all-gathers the parts. ``world`` (the job's size) divides an AVERAGE.
+        part with the same local rank of every other host (float32 for half types), and the
+        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE.
         """
-        from smddp.comm.backends.mpi import _buffer
-
+        across_op = Op.SUM if op is Op.AVERAGE else op
         flat = tensor.view(-1)
         per_step = self.slot // flat.element_size()
         for begin in range(0, flat.numel(), per_step):
@@ -189,7 +188,7 @@ class TorchOps:
             acc = torch.empty(hi - lo, dtype=torch.float32) if part.dtype in _HALF else target
             self._fold(acc, [self._view(r, step, part.dtype, n)[lo:hi] for r in range(self.size)], op, False)
             if hi > lo:
-                yield across.Iallreduce(_mpi_in_place(), _buffer(acc, mpi_type(acc.dtype)), op=mpi_op)
+                yield across.all_reduce(acc, across_op, tag)
             if op is Op.AVERAGE:
                 average(acc, world)
             if acc is not target:
@@ -250,12 +249,6 @@ class TorchOps:
         """Complete once every rank of the plane has entered it."""
         self._state.steps += 1
         yield (None, self._written())
-
-
-def _mpi_in_place():
-    from mpi4py import MPI
-
-    return MPI.IN_PLACE
 
 
 def _bounds(n: int, parts: int) -> List[int]:

@@ -29,9 +29,9 @@ from torch._C._distributed_c10d import (
     BroadcastOptions,
 )
 
-from smddp.comm import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.base import Communicator, Context, Op, Pending, average
+from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError
 
 _REDUCE_OPS = {

@@ -1,0 +1,203 @@
+"""A group's CPU communicator: the fastest plane its layout allows, over MPI or gloo.
+
+The registry (:mod:`smddp.comm`) calls :func:`build` for every group's CPU tensors, whatever
+launched the job. The *flat* communicator is the backend's own (``mpi`` under an MPI launcher,
+``gloo`` otherwise, ``local`` for one rank). Then, through the group's store, the ranks find
+which of them share a host (:mod:`smddp.comm.backends.hostmates`) and this module composes:
+
+============== ================================================== ===============================
+plane          when (automatic)                                    communicator
+============== ================================================== ===============================
+``shm``        every rank of the group on one host                 :class:`ShmCommunicator`
+``hierarchical`` several hosts, the same number (2 or more) on each :class:`HierarchicalCommunicator`
+flat           one rank per host, uneven hosts, no usable /dev/shm the flat one (``mpi``/``gloo``)
+============== ================================================== ===============================
+
+``SMDDP_CPU_PLANE`` pins the choice (``auto``, ``shm``, ``hierarchical``, ``mpi``, ``gloo``): a
+pinned plane the job cannot have is an error, ``mpi`` and ``gloo`` name the flat communicator.
+The environment is read once, by :func:`settings`, when the world group is made; subgroups
+use the same settings. The chosen plane and the reason are the communicator's ``plane`` and
+``plane_reason``; ``SMDDP_DEBUG=1`` prints them on the group's rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple
+
+import torch.distributed as tdist
+
+from smddp.comm.backends import hostmates
+from smddp.comm.base import Communicator, Context
+from smddp.errors import BackendUnavailableError
+
+ENV = "SMDDP_CPU_PLANE"
+PLANES = ("auto", "shm", "hierarchical", "mpi", "gloo")
+
+
+@dataclass(frozen=True)
+class PlaneSettings:
+    """The environment's say on CPU planes, read once per world group.
+
+    Attributes:
+        plane: ``SMDDP_CPU_PLANE`` (``auto`` when unset).
+        native: ``SMDDP_SHM_NATIVE`` is not off (the compiled core may run the plane).
+        hierarchical_min_bytes: ``SMDDP_HIERARCHICAL_MIN_BYTES``: smaller all-reduces stay
+            flat on the hierarchical plane (the extra steps cost more than the bytes they save).
+        debug: ``SMDDP_DEBUG`` is set: print the plane chosen and each collective's first plane.
+    """
+
+    plane: str = "auto"
+    native: bool = True
+    hierarchical_min_bytes: int = 256 * 1024
+    debug: bool = False
+
+
+def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
+    """Read the CPU-plane settings from ``env``.
+
+    Raises:
+        BackendUnavailableError: ``SMDDP_CPU_PLANE`` is not one of :data:`PLANES`.
+    """
+    plane = env.get(ENV, "").strip().lower() or "auto"
+    if plane not in PLANES:
+        raise BackendUnavailableError(f"{ENV}={plane!r} is not a CPU plane; use one of: {', '.join(PLANES)}")
+    return PlaneSettings(
+        plane=plane,
+        native=env.get("SMDDP_SHM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off"),
+        hierarchical_min_bytes=int(env.get("SMDDP_HIERARCHICAL_MIN_BYTES", 256 * 1024)),
+        debug=env.get("SMDDP_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off"),
+    )
+
+
+def flat_backend(name: str, found: PlaneSettings) -> str:
+    """The flat backend for CPU tensors: ``name`` (``mpi``, ``gloo``, ``local``), unless the
+    settings pin ``gloo`` under MPI."""
+    return "gloo" if name == "mpi" and found.plane == "gloo" else name
+
+
+def flat_class(name: str):
+    """The communicator class of flat backend ``name`` (imported on demand: mpi4py starts MPI)."""
+    if name == "mpi":
+        from smddp.comm.backends.mpi import MPICommunicator
+
+        return MPICommunicator
+    if name == "gloo":
+        from smddp.comm.backends.gloo import GlooCommunicator
+
+        return GlooCommunicator
+    if name == "local":
+        from smddp.comm.backends.local import LocalCommunicator
+
+        return LocalCommunicator
+    raise BackendUnavailableError(f"{name!r} is not a CPU backend; use mpi, gloo or local")
+
+
+def build(name: str, ctx: Context, found: PlaneSettings, group: str = "world") -> Communicator:
+    """The CPU communicator of a group: flat backend ``name``, composed with its best plane.
+
+    Args:
+        name: ``mpi``, ``gloo`` or ``local``.
+        ctx: the group's context (its store is how the ranks meet).
+        found: :func:`settings`.
+        group: a name for the group, part of the shared-memory segment's name.
+
+    Raises:
+        BackendUnavailableError: the backend cannot start, or a pinned plane cannot be had.
+    """
+    flat = flat_class(flat_backend(name, found))(ctx)
+    try:
+        return compose(flat, ctx, found, group)
+    except BaseException:
+        flat.close()
+        raise
+
+
+def compose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str = "world") -> Communicator:
+    """``flat`` itself, or a plane over it: see the module's table.
+
+    Called by every rank of the group, in the same order on each (it meets the others
+    through ``ctx.store``). On failure ``flat`` is left open for the caller to close.
+    """
+    comm, why = _choose(flat, ctx, found, group)
+    if found.plane in ("shm", "hierarchical") and comm.plane != found.plane:
+        if comm is not flat:
+            comm.close()
+        raise BackendUnavailableError(f"{ENV}={found.plane} cannot be used in this job: {why}")
+    comm.plane_reason = why
+    comm.plane_settings = found
+    if found.debug and comm.rank == 0:
+        where = "" if group == "world" else f" of group {group!r}"
+        print(f"smddp: CPU plane{where}: {comm.plane} ({why})", file=sys.stderr, flush=True)
+    return comm
+
+
+def _choose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str) -> Tuple[Communicator, str]:
+    from smddp.comm.backends import shm
+    from smddp.comm.backends.planes import HierarchicalCommunicator, ShmCommunicator
+    from smddp.comm.backends.shm_segment import SHM_DIR, SLOT_BYTES, supported
+
+    if flat.size == 1:
+        return flat, "a group of one rank"
+    if found.plane in ("mpi", "gloo"):
+        return flat, f"{ENV}={found.plane}"
+    if ctx.store is None:
+        return flat, "no store to meet through"
+    store = tdist.PrefixStore("smddp/cpu-plane/", ctx.store)
+    mine = {"host": hostmates.host_identity(SHM_DIR), "ok": supported(),
+            "native": found.native and shm.native is not None}
+    mates = hostmates.find(store, flat.rank, flat.size, mine)
+    sizes = sorted({len(members) for members in mates.hosts})
+    nhosts = len(mates.hosts)
+    if nhosts > 1 and (len(sizes) > 1 or sizes[0] == 1):
+        return flat, (f"ranks per host {sizes}: the hierarchical plane needs the same number of ranks, "
+                      f"2 or more, on every host")
+    channel = hostmates.HostChannel(store, mates, ctx.timeout)
+    votes = [(mates.info[r]["ok"], mates.info[r]["native"]) for r in mates.ranks]
+    plane = shm.open_plane(channel, votes, group, SLOT_BYTES)
+    if nhosts == 1:
+        if plane is None:
+            return flat, "no usable shared memory on this host"
+        return ShmCommunicator(ctx, plane, flat, found.debug), f"all {flat.size} ranks share one host"
+    # Every host must have its plane, or none uses one.
+    if mates.local_rank == 0:
+        store.set(f"plane/{mates.host}", "1" if plane is not None else "0")
+    if not all(store.get(f"plane/{h}") == b"1" for h in range(nhosts)):
+        if plane is not None:
+            plane.close()
+        return flat, "a host has no usable shared memory"
+    try:
+        across = _across(flat, ctx, mates)
+    except BaseException:
+        plane.close()
+        raise
+    comm = HierarchicalCommunicator(ctx, plane, across, flat, found.hierarchical_min_bytes, found.debug)
+    return comm, f"{nhosts} hosts of {mates.local_size} ranks"
+
+
+def _across(flat: Communicator, ctx: Context, mates: hostmates.Hostmates) -> Communicator:
+    """A communicator of the ranks with this rank's local index, one per host (host order)."""
+    split = getattr(flat, "split", None)
+    if split is not None:  # MPI: MPI_Comm_split of the group's own communicator
+        return split(color=mates.local_rank, key=mates.host)
+    topology = dataclasses.replace(
+        ctx.topology, rank=mates.host, size=len(mates.hosts), local_rank=0, local_size=1, node_rank=mates.host)
+    store = tdist.PrefixStore(f"smddp/across/{mates.local_rank}/", ctx.store)
+    return type(flat)(dataclasses.replace(ctx, topology=topology, store=store))
+
+
+def companion(topology, mpi4py: bool, found: Optional[PlaneSettings] = None) -> str:
+    """The flat CPU backend that serves CPU tensors next to a device backend.
+
+    Returns:
+        ``"local"`` for a world of one started without a launcher, ``"mpi"`` under an MPI
+        launcher with mpi4py (unless ``SMDDP_CPU_PLANE=gloo``), else ``"gloo"``.
+    """
+    if not topology.distributed and topology.size == 1:
+        return "local"
+    if topology.mpi and mpi4py:
+        return flat_backend("mpi", found or PlaneSettings())
+    return "gloo"
