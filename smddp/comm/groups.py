@@ -89,7 +89,7 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
         from smddp.comm.backends.local import LocalCommunicator
 
         return LocalCommunicator(ctx)
-    found = comm.plane_settings
+    found = getattr(comm, "plane_settings", None)
     if found is not None:
         # A CPU communicator of the world's kind: the members' own flat one, then the best
         # plane for where they are (a subgroup on one host gets shared memory).
