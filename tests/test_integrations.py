@@ -86,7 +86,19 @@ def test_lightning_ddp_strategy(environment):
     expected = {"aws": "LightningEnvironment", "mpi": "MPIEnvironment"}[environment]
     for rank, report in reports.items():
         assert (report["world"], report["backend"], report["global_rank"]) == (2, "smddp", rank)
-        assert report["environment"] == expected
+        assert report["environment"] == expected and report["plane"] == "shm"
+    assert_trained_in_step(reports)
+
+
+def test_lightning_own_launcher_gets_the_shm_plane():
+    """A plain ``python script.py``: Lightning's launcher starts rank 1 itself; no MPI anywhere."""
+    pytest.importorskip("lightning", reason="pip install 'smddp[integrations]'")
+    result = run([sys.executable, str(SCRIPTS / "lightning_ddp.py"), "--env", "launcher"], timeout=240).check()
+    reports = {rank: json.loads(body) for rank, body in rank_lines(result.stdout, "LIGHTNING").items()}
+    assert sorted(reports) == [0, 1], result.output
+    for rank, report in reports.items():
+        assert (report["world"], report["backend"], report["global_rank"]) == (2, "smddp", rank)
+        assert report["plane"] == "shm", report
     assert_trained_in_step(reports)
 
 

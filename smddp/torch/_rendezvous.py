@@ -27,7 +27,10 @@ def _env_or_launcher(original: Callable) -> Callable:
     def env_or_launcher(url, timeout=_compat.default_timeout(), **kwargs):
         topology = discover(os.environ)
         have_master = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
-        plain = not topology.distributed and "RANK" not in os.environ
+        # init_process_group(rank=..., world_size=...) reaches here as "env://?rank=..&world_size=..":
+        # the caller (Lightning's launcher, mp.spawn) set up the job, torch's env:// meets it.
+        explicit = int(parse_qs(urlparse(url).query).get("world_size", ["1"])[-1]) > 1
+        plain = not topology.distributed and "RANK" not in os.environ and not explicit
         derived = topology.distributed and topology.launcher != "torchrun" and not have_master
         if plain or derived:
             from smddp.comm.rendezvous import make_store

@@ -3,9 +3,10 @@
 ``--env aws`` is AWS's documented pattern for SageMaker: a ``LightningEnvironment`` whose
 world size and global rank come from ``WORLD_SIZE``/``RANK``, with
 ``DDPStrategy(cluster_environment=env, process_group_backend="smddp")``. ``--env mpi`` uses
-Lightning's own ``MPIEnvironment`` instead. Lightning then calls
+Lightning's own ``MPIEnvironment`` instead. ``--env launcher`` is a plain ``python
+lightning_ddp.py``: Lightning's own launcher starts the second process. Lightning then calls
 ``init_process_group("smddp", rank=..., world_size=...)`` (``env://``) itself. Each rank
-prints ``LIGHTNING <rank> <json>`` with digests of its parameters before and after training.
+prints its CPU plane and ``LIGHTNING <rank> <json>`` with digests of its parameters before and after training.
 """
 
 from __future__ import annotations
@@ -17,14 +18,20 @@ import os
 import tempfile
 
 import lightning.pytorch as pl
-import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
+from smddp.torch import process_group
+
+try:
+    import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 - smddprun's alias
+except ImportError:  # --env launcher: Lightning re-runs this script as plain python
+    import smddp.torch.torch_smddp  # noqa: F401
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--env", choices=("aws", "mpi"), required=True)
+parser.add_argument("--env", choices=("aws", "mpi", "launcher"), required=True)
 which = parser.parse_args().env
 
 
@@ -62,10 +69,12 @@ if which == "aws":
     env = LightningEnvironment()
     env.world_size = lambda: int(os.environ.get("WORLD_SIZE", 0))
     env.global_rank = lambda: int(os.environ.get("RANK", 0))
-else:
+elif which == "mpi":
     env = MPIEnvironment()
-local_size = int(os.environ["LOCAL_WORLD_SIZE"])
-num_nodes = int(os.environ["WORLD_SIZE"]) // local_size
+else:
+    env = None  # Lightning's default environment and launcher: it starts rank 1 itself
+local_size = 2 if env is None else int(os.environ["LOCAL_WORLD_SIZE"])
+num_nodes = 1 if env is None else int(os.environ["WORLD_SIZE"]) // local_size
 torch.manual_seed(0)
 model = Regression()
 initial = digest(model)
@@ -78,7 +87,8 @@ with tempfile.TemporaryDirectory() as root:
     trainer.fit(model, torch.utils.data.DataLoader(Points(), batch_size=4))
 report = {
     "world": dist.get_world_size(), "backend": dist.get_backend(), "global_rank": trainer.global_rank,
-    "environment": type(env).__name__, "initial": initial, "final": digest(model),
+    "environment": type(trainer.strategy.cluster_environment).__name__, "initial": initial, "final": digest(model),
+    "plane": process_group.current().engine.comms["cpu"].plane,
 }
 print(f"LIGHTNING {dist.get_rank()} {json.dumps(report)}", flush=True)
 dist.destroy_process_group()
