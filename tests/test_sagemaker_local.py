@@ -30,8 +30,19 @@ parser.add_argument("--lr", type=float)
 parser.add_argument("--optimizer")
 parser.add_argument("--use-amp")
 parser.add_argument("--layers")
+parser.add_argument("--plane")
 args = parser.parse_args()
 topo = discover(os.environ)
+plane = None
+if args.plane:  # join the job's world and report the CPU plane its all-reduce took
+    import torch, torch.distributed as tdist
+    import smddp.torch.torch_smddp
+    from smddp.torch import process_group
+    tdist.init_process_group(backend="smddp")
+    total = torch.tensor([float(topo.rank + 1)])
+    tdist.all_reduce(total)
+    plane = [process_group.current().engine.comms["cpu"].plane, total.item()]
+    tdist.destroy_process_group()
 try:
     import shared_lib
     dependency = shared_lib.VALUE
@@ -46,6 +57,7 @@ record = {
             if k.startswith("SM_") or k in ("SMDATAPARALLEL_LOCAL_RANK", "MY_SETTING", "TRAINING_JOB_NAME",
                                             "SAGEMAKER_INSTANCE_TYPE")},
     "channels": channels, "config": sorted(os.listdir(os.environ["SM_INPUT_CONFIG_DIR"])), "dependency": dependency,
+    "plane": plane,
 }
 with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"rank-{topo.rank}.json"), "w") as f:
     json.dump(record, f)
@@ -174,12 +186,13 @@ def test_two_emulated_hosts(src, tmp_path):
 def test_torch_distributed_runs_under_torchrun(src, tmp_path):
     est = PyTorch(
         entry_point="report.py", source_dir=str(src), instance_type="local", max_run=120,
-        hyperparameters={"epochs": 1}, output_path=str(tmp_path / "out"),
+        hyperparameters={"epochs": 1, "plane": "yes"}, output_path=str(tmp_path / "out"),
         distribution={"torch_distributed": {"enabled": True, "processes_per_host": 2}},
     )
     got = records(est.fit(logs=False))
     assert sorted(got) == [0, 1]
     assert {seen["launcher"] for seen in got.values()} == {"torchrun"}
+    assert [seen["plane"] for seen in got.values()] == [["shm", 3.0]] * 2  # shared memory under torchrun
     assert {seen["env"]["SM_CURRENT_HOST"] for seen in got.values()} == {"algo-1"}
     assert got[1]["args"]["epochs"] == 1
 

@@ -178,6 +178,7 @@ def test_every_task_gets_the_runtime_and_env_init_works(slurm, ntasks):
         assert (r["MASTER_ADDR"], r["MASTER_PORT"]) == (_node_name(), str(SLURM_BASE_PORT + int(r["job"][-4:])))
         assert (r["torch_rank"], r["torch_size"]) == (rank, ntasks)
         assert r["sum"] == ntasks * (ntasks + 1) / 2
+        assert r["plane"] == "shm"  # srun without MPI: the shared-memory plane over the job's store
 
 
 def test_init_methods_under_srun(slurm, tmp_path):
