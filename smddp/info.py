@@ -291,7 +291,7 @@ def _shm_core(env) -> Dict[str, Any]:
     info: Dict[str, Any] = {"supported": shm_segment.supported(), "compiled": shm.native is not None,
                             "path": getattr(shm.native, "__file__", None)}
     if not info["supported"]:
-        info["runs"] = "none (the plane needs x86-64 Linux with /dev/shm: CPU collectives use MPI)"
+        info["runs"] = "none (the plane needs x86-64 Linux with /dev/shm: CPU collectives use MPI or gloo)"
     elif shm.native_wanted(env):
         info["runs"] = "compiled core"
     elif shm.native is None:
@@ -363,6 +363,9 @@ def format_report(report: Dict[str, Any]) -> str:
     shm_info = report.get("shm")
     if shm_info:
         add(f"  shared-memory CPU plane: {shm_info['runs']}")
+        if shm_info["supported"]:
+            add("    ranks that share a host meet through the job's store under any launcher (mpirun, smddprun,")
+            add("    torchrun, srun, mp.spawn); SMDDP_DEBUG=1 prints the plane each group took and why")
     add("")
     topo = report["topology"]
     if "error" in topo:
