@@ -83,9 +83,10 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         self._group_name = ""
         #: Device type to the seconds its torch-native backend took to create (see _native).
         self.native_backends = {}
-        # MPI moves data only while a thread calls into it: see _finish_with_backward.
+        # MPI and the shared-memory planes move data only while a thread calls into them (gloo
+        # has threads of its own): see _finish_with_backward.
         cpu = engine.comms.get("cpu")
-        self._drive_in_backward = cpu is not None and cpu.name == "mpi"
+        self._drive_in_backward = cpu is not None and (cpu.name == "mpi" or cpu.plane in ("shm", "hierarchical"))
         self._backward_handles = {}
 
     # torch asks these of every group
