@@ -48,7 +48,6 @@ import torch
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
 from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
 from smddp.comm.base import DONE, HALF, Op, Pending
-from smddp.errors import CollectiveError
 
 try:
     from smddp.comm.backends import _shm_native as native
@@ -289,7 +288,7 @@ class Plane(TorchOps):
             self._next_liveness = now + _LIVENESS_EVERY
             dead = [r for r in self._behind(wait) if not alive(self._pids[r])]
             if dead:
-                raise CollectiveError(
+                raise PeerExited(
                     f"local rank(s) {dead} of this host's shared-memory group (pids "
                     f"{[self._pids[r] for r in dead]}) exited in the middle of a collective; "
                     f"the job cannot continue: look for their error output"
@@ -307,6 +306,14 @@ class Plane(TorchOps):
             self._mm.close()
         except BufferError:
             pass  # a tensor view still exists: the mapping goes with the process
+
+
+class PeerExited(RuntimeError):
+    """A host-mate's process ended in the middle of a collective.
+
+    Not a :class:`~smddp.errors.CollectiveError`: the engine wraps it in one that also says
+    where the other ranks are (one that reached the end of its script is named so).
+    """
 
 
 class _Stepping:
