@@ -2,17 +2,23 @@
 
 - an argument error one rank can see alone raises on that rank before anything is sent, on
   every CPU backend, and the job goes on (real 2-rank jobs, ``tests/scripts/safety_job.py``);
-- a stall report names a stopped rank as not answering, without the uneven-batches advice.
+- a stall report names a stopped rank as not answering, without the uneven-batches advice;
+- what the stall reports read from the store is JSON, checked, never unpickled.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import pickle
 import signal
 import subprocess
 import sys
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch.distributed as tdist
 
 from smddp.comm.engine import stall
 
@@ -137,3 +143,35 @@ def test_process_state_reads_this_host():
             child.kill()
             child.wait(timeout=10)
     assert stall.host_identity() and stall.host_identity() == stall.host_identity()
+
+
+class Planted:
+    """What an attacker who reaches the store would write: unpickling it creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_stall_channel_reads_only_json_and_survives_malformed_queries(monkeypatch, tmp_path):
+    marker = tmp_path / "executed"
+    monkeypatch.setattr(stall, "_engines", itertools.repeat(7))  # both channels on one prefix, as on two ranks
+    server = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    asking, answering = stall.StoreChannel(server, 0, 3), stall.StoreChannel(server, 1, 3)
+    here = {"seq": 3, "op": "all_reduce", "done": True, "age": 1.0, "state": "running"}
+    try:
+        for junk in (pickle.dumps(Planted(marker)), b"not json", b"[1, 2]", b'{"from": "0", "id": 1}'):
+            answering.store.queue_push("q/1", junk)  # before any real query: the responder must skip them
+        answering.serve(lambda: here)
+        # Rank 2 never answers; in its place, notes that are not smddp's statuses.
+        asking.store.set("x/2", pickle.dumps(Planted(marker)))
+        asking.store.set("p/2", b'{"pid": "1", "host": "x"}')
+        found = asking.query(timeout=3)
+        assert found == {1: here, 2: None}, found
+        asking.store.set("x/2", b'{"seq": "four"}')
+        assert asking.query(timeout=1)[2] is None
+    finally:
+        answering.close()
+    assert not marker.exists(), "a planted pickle was unpickled"

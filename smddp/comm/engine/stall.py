@@ -94,10 +94,16 @@ class StoreChannel:
         key = f"q/{self.rank}"
         while True:
             try:
-                query = json.loads(self._conn.queue_pop(key, block=True))
-                if query.get("stop"):
+                raw = self._conn.queue_pop(key, block=True)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            query = _json_dict(raw)
+            if query is None or not all(type(query.get(k)) is int for k in ("from", "id")):
+                if query is not None and query.get("stop") is True:
                     return
-                base = f"a/{query['from']}/{query['id']}"
+                continue  # not a query smddp wrote: ignored, and the responder keeps answering
+            base = f"a/{query['from']}/{query['id']}"
+            try:
                 self._conn.set(f"{base}/{self.rank}", json.dumps(self._status()))
                 self._conn.add(f"{base}/n", 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
@@ -143,7 +149,10 @@ class StoreChannel:
     def _read(self, key: str) -> Optional[Status]:
         if not self.store.check([key]):
             return None
-        return json.loads(self.store.get(key))
+        found = _json_dict(self.store.get(key))
+        if found is None or not all(isinstance(found.get(k, 0), (int, float)) for k in ("seq", "age")):
+            return None  # not a status smddp wrote: treated as no answer
+        return found
 
     def note_end(self, status: Status) -> None:
         """Leave this rank's final status where the others find it (once)."""
@@ -179,6 +188,16 @@ class StoreChannel:
             # blocking store call during shutdown aborts the process. It ends within
             # milliseconds; the bound only matters on a starved CPU.
             self._thread.join(10.0)
+
+
+def _json_dict(raw) -> Optional[dict]:
+    """``raw`` (bytes from the store) as a JSON object, or None: the store's values are only ever
+    read as JSON, never unpickled, and a malformed one is ignored."""
+    try:
+        found = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def host_identity() -> str:
