@@ -15,6 +15,7 @@ from smddp.errors import (
     InvalidTypeError,
     NotInitializedError,
     SMDDPError,
+    UnsafePathError,
 )
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "BackendUnavailableError",
+    "UnsafePathError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeout",

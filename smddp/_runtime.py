@@ -20,6 +20,7 @@ import socket
 from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
 from smddp._topology import Topology
+from smddp._wire import bcast_json
 from smddp.errors import InvalidArgumentError
 
 #: Every variable :func:`fill` may set, in the order the docs list them.
@@ -91,8 +92,12 @@ def _master_over_mpi(topo: Topology, addr: Optional[str], port: Optional[int]) -
         return addr, port  # no MPI here: torch's env:// will say what is missing
     chosen = None
     if MPI.COMM_WORLD.Get_rank() == 0:
-        chosen = (addr or local_address(topo), port or free_port())
-    return MPI.COMM_WORLD.bcast(chosen, root=0)
+        chosen = [addr or local_address(topo), port or free_port()]
+    # As JSON in a buffer broadcast: mpi4py's lowercase bcast would unpickle what arrives.
+    got = bcast_json(MPI.COMM_WORLD, chosen, root=0)
+    if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], str) and type(got[1]) is int):
+        raise InvalidArgumentError(f"rank 0 sent a malformed master address over MPI: {got!r}")
+    return got[0], got[1]
 
 
 def fill(env: MutableMapping[str, str], topo: Topology) -> Dict[str, str]:

@@ -31,6 +31,10 @@ class BackendUnavailableError(SMDDPError, RuntimeError):
     """The requested backend is unknown, or its library or device is missing here."""
 
 
+class UnsafePathError(SMDDPError, PermissionError):
+    """A directory smddp would write private files into belongs to another user, or others can write to it."""
+
+
 class CollectiveError(SMDDPError, RuntimeError):
     """A collective failed, or the job is broken after an earlier failure."""
 
@@ -50,6 +54,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "BackendUnavailableError",
+    "UnsafePathError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeout",

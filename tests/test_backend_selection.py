@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import struct
 import sys
 import threading
 import types
@@ -35,11 +36,12 @@ from smddp.comm.backends.nccl import (
     share_unique_id,
     stream_mode,
 )
+from smddp.comm.backends.nccl_uid import encode
 from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
 from smddp.comm.base import Communicator, Context, Done, Op, Pending
 from smddp.comm.cpu import PlaneSettings, build, companion
 from smddp.comm.engine import Engine
-from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -323,24 +325,80 @@ def test_unique_id_shared_through_the_store(monkeypatch, uid):
     assert store.check(["smddp/nccl/0/unique_id", "smddp/nccl/1/unique_id"])
 
 
-def test_unique_id_broadcast_over_mpi(monkeypatch):
-    fake = _fake_cupy(monkeypatch, uid=X86_ID)
+class WireMPI:
+    """A two-rank mpi4py communicator's buffer broadcast, in one process: rank 0's ``Bcast``
+    calls are recorded, and replayed into the receiving rank's buffers. It has no ``bcast``:
+    the lowercase methods pickle."""
 
-    class FakeMPI:
-        def __init__(self, received):
-            self.received, self.sent = received, []
+    def __init__(self, rank: int, wire: list):
+        self.rank, self.wire, self.calls = rank, wire, 0
 
-        def bcast(self, obj, root=0):
-            self.sent.append((obj, root))
-            return obj if obj is not None else self.received
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return self.rank
 
-    root = FakeMPI(None)
-    assert share_unique_id(fake, MPI2, mpi_comm=root) == X86_ID
-    assert root.sent == [(X86_ID, 0)]
-    other = FakeMPI(X86_ID)
-    assert share_unique_id(fake, MPI2_RANK1, mpi_comm=other) == X86_ID
-    assert other.sent == [(None, 0)]  # only rank 0 creates an id
-    assert fake.calls == ["get_unique_id"]
+    def Bcast(self, buf, root=0) -> None:  # noqa: N802
+        assert isinstance(buf, bytearray) and root == 0
+        if self.rank == root:
+            self.wire.append(bytes(buf))
+        else:
+            buf[:] = self.wire[self.calls]
+        self.calls += 1
+
+
+@pytest.mark.parametrize("uid", [X86_ID, ARM_ID, SMALL_ID, BYTES_ID])
+def test_unique_id_broadcast_over_mpi(monkeypatch, uid):
+    fake = _fake_cupy(monkeypatch, uid=uid)
+    wire: list = []
+    assert share_unique_id(fake, MPI2, mpi_comm=WireMPI(0, wire)) == uid
+    assert b"".join(wire)[8:] == encode(uid) and len(encode(uid)) == 129  # the length, then raw bytes
+    got = share_unique_id(fake, MPI2_RANK1, mpi_comm=WireMPI(1, wire))
+    assert type(got) is type(uid) and got == uid
+    assert fake.calls == ["get_unique_id"]  # only rank 0 creates an id
+
+
+class Planted:
+    """What an attacker who reaches the store would write: unpickling it creates ``marker``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.mark.parametrize("planted", ["pickle", "short", "long", "bad form"])
+def test_unique_id_refuses_anything_but_raw_id_bytes(monkeypatch, tmp_path, planted):
+    import pickle
+
+    fake = _fake_cupy(monkeypatch, uid=BYTES_ID)
+    marker = tmp_path / "executed"
+    blob = {
+        "pickle": pickle.dumps(Planted(str(marker))),
+        "short": encode(BYTES_ID)[:-1],
+        "long": encode(BYTES_ID) + b"\0",
+        "bad form": b"P" + BYTES_ID,
+    }[planted]
+    assert planted != "pickle" or (pickle.loads(blob), marker.exists())[1]  # the payload is live
+    marker.unlink(missing_ok=True)
+    store = tdist.HashStore()
+    store.set("smddp/nccl/0/unique_id", blob)
+    rank1 = Topology(rank=1, size=2, local_rank=1, local_size=2, launcher="torchrun")
+    with pytest.raises(CollectiveError, match="NCCL unique id received from store key 'smddp/nccl/0/unique_id' "
+                                              "is malformed .* and was refused"):
+        share_unique_id(fake, rank1, store, 0)
+    assert not marker.exists(), "the planted object was unpickled"
+    # Over MPI too: a malformed message is refused, never run.
+    wire = [struct.pack("!Q", len(blob)), blob]
+    with pytest.raises(CollectiveError, match="received from MPI broadcast from rank 0 is malformed"):
+        share_unique_id(fake, MPI2_RANK1, mpi_comm=WireMPI(1, wire))
+    assert not marker.exists()
+    assert fake.calls == []
+
+
+def test_unique_id_encoding_refuses_a_malformed_local_id():
+    for bad in (b"x" * 127, tuple(range(128)) + (0,), tuple([300] + [0] * 127), tuple([-1, 200] + [0] * 126)):
+        with pytest.raises(CollectiveError, match="not 128 bytes or 128 char values"):
+            encode(bad)
 
 
 def test_unique_id_world_of_one_needs_no_exchange(monkeypatch):

@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -29,13 +30,47 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import smddp
-from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, UnsafePathError
 from smddp.sagemaker import _distribution
 from smddp.sagemaker._container import Container, cmd_args, job_hyperparameters, split_hyperparameters
 from smddp.sagemaker._job import JobFailedError, TrainingJob
 
-#: Where local jobs write ``<job>/output/model.tar.gz`` when ``output_path`` is not given.
-DEFAULT_OUTPUT = os.path.join(tempfile.gettempdir(), "smddp-local")
+
+def default_output() -> str:
+    """Where local jobs write ``<job>/output/model.tar.gz`` when ``output_path`` is not given:
+    ``smddp-local-<uid>`` in the temporary directory (``$TMPDIR``, else ``/tmp``), one per user.
+
+    :func:`private_dir` makes it, or checks it, before a job runs.
+    """
+    return os.path.join(tempfile.gettempdir(), f"smddp-local-{os.getuid()}")
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can enter (mode 0700), made if missing.
+
+    A shared temporary directory lets anyone create a name first: a directory that exists is
+    used only if it is a real directory (not a link) of this user; one it owns with a wider
+    mode is narrowed to 0700.
+
+    Raises:
+        UnsafePathError: ``path`` belongs to another user, or is a link or not a directory.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        what = (f"belongs to user id {info.st_uid}, not to you (user id {os.getuid()})"
+                if stat.S_ISDIR(info.st_mode) else "is a link or a file, not a directory of yours")
+        raise UnsafePathError(
+            f"local mode's default output directory {path} {what}: another user could read or replace "
+            f"your model there, so it is not used. Pass output_path='file:///a/folder/of/yours' to the "
+            f"estimator, set TMPDIR to a directory of yours, or remove {path}"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
 
 
 def local_path(uri: str, what: str) -> Path:
@@ -126,8 +161,10 @@ class LocalModeJob:
         self.instance_type = instance_type
         self.hosts = [f"algo-{i + 1}" for i in range(instance_count)]
         self.environment = dict(environment)
-        self.output_uri = output_path or DEFAULT_OUTPUT
+        self.output_uri = output_path or default_output()
         self.output_dir = local_path(self.output_uri, "output_path").resolve()
+        if output_path is None:
+            private_dir(Path(self.output_uri))  # before the job runs: a refusal costs no training
         self.max_run = max_run
         self.num_gpus = 0
         self.gpu_ids: List[int] = []

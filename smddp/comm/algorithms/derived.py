@@ -27,6 +27,7 @@ import torch
 
 from smddp.comm.base import DONE, HALF, Op, Pending, average, combine, flat, then
 from smddp.comm.engine import Engine, Handle
+from smddp.comm.engine.checks import check_writable
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
 
@@ -109,13 +110,15 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         )
     src = flat(input)
     if comm.native_reduce_scatter:
-        buf, after = engine._inplace(output)
+        buf, after = engine._inplace(output, "reduce_scatter_tensor", "output")
 
         def native(seq: int) -> Pending:
             pending = holding(comm.reduce_scatter(buf.flatten(), src, op, seq), src, buf)
             return then(pending, after)
 
         return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
+    if not output.is_contiguous():
+        check_writable(output, "reduce_scatter_tensor", "output")
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
     counts = [n] * engine.size
 
@@ -160,6 +163,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
     outs = _tensor_list(outputs, "gather_list") if root else []
     if root:
         engine._check_per_rank(outs, input, "gather", "gather_list", "input")
+        _check_outputs(outs, "gather", "gather_list")
     comm = engine._comm_for(input, *outs)
     src = flat(input)
     buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
@@ -194,7 +198,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
         engine._check_per_rank(ins, output, "scatter", "scatter_list", "output")
     comm = engine._comm_for(output, *ins)
     packed = torch.cat([flat(t) for t in ins]) if root else output.new_empty(0)
-    buf, after = engine._inplace(output)
+    buf, after = engine._inplace(output, "scatter", "output")
     send = [n] * engine.size if root else [0] * engine.size
     receive = [n if r == src else 0 for r in range(engine.size)]
 
@@ -222,6 +226,8 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
     comm = engine._comm_for(*outs, *ins)
     send = [t.numel() for t in ins]
     receive = [t.numel() for t in outs]
+    engine._check_self_split(receive, send, "all_to_all")
+    _check_outputs(outs, "all_to_all", "output_tensor_list")
     packed = torch.cat([flat(t) for t in ins])
     buf = packed.new_empty(sum(receive))
 
@@ -290,12 +296,20 @@ class Joined:
 def each(start_one: Callable, *lists: Sequence) -> Joined:
     """Start ``start_one(*items)`` for each position of ``lists``; one :class:`Joined` for all.
 
+    ``lists[0]`` holds the outputs (a tensor, or a list of them, per position): they are
+    checked before any collective starts, so a bad one does not leave the others half done.
+
     Raises:
-        InvalidArgumentError: the lists have different lengths.
+        InvalidArgumentError: the lists have different lengths, or an output has overlapping memory.
+        InvalidTypeError: an output is not a dense tensor.
     """
     lengths = {len(items) for items in lists}
     if len(lengths) > 1:
         raise InvalidArgumentError(f"coalesced collective: the tensor lists have different lengths {sorted(lengths)}")
+    for i, outs in enumerate(lists[0] if lists else ()):
+        for out in outs if isinstance(outs, (list, tuple)) else (outs,):
+            if isinstance(out, torch.Tensor) and not out.is_contiguous():
+                check_writable(out, "coalesced collective", f"tensor {i}")
     return Joined([start_one(*items) for items in zip(*lists)])
 
 
@@ -330,7 +344,7 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
         raise InvalidArgumentError(f"tag must be a non-negative int, got {tag!r}")
     engine._check_usable()
     comm = engine._comm_for(tensor)
-    buf, after = engine._inplace(tensor)
+    buf, after = engine._inplace(tensor, "recv")
     pending = comm.recv(buf, src, tag)
     held = holding(pending, buf)
     peer = "any rank" if src is None else f"rank {src}"
@@ -360,3 +374,9 @@ def _tensor_list(tensors, what: str) -> List[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
     return list(tensors)
+
+
+def _check_outputs(outputs: Sequence[torch.Tensor], op: str, what: str) -> None:
+    for i, out in enumerate(outputs):
+        if not out.is_contiguous():
+            check_writable(out, op, f"{what}[{i}]")

@@ -1,19 +1,21 @@
 """Sharing NCCL's unique id: rank 0 creates it, every rank of a communicator receives it.
 
-CuPy returns the id as ``bytes`` (CuPy >= 14) or as a tuple of C ``char`` values (before),
-and its ``NcclCommunicator`` takes back exactly that. Both travel pickled, as mpi4py's
-``bcast`` sends them, so the receivers rebuild the same type and values; the ranks of one
-job run one CuPy build.
+CuPy returns the id as ``bytes`` (CuPy >= 14) or as a tuple of 128 C ``char`` values (before:
+signed on x86, unsigned on ARM), and its ``NcclCommunicator`` takes back exactly that. The id
+travels as raw bytes, never pickled: one byte saying which form rank 0's CuPy used, then the
+128 bytes of ``ncclUniqueId`` (:func:`encode`). Receivers check the length and the form
+(:func:`decode`) and rebuild the same type and values; the ranks of one job run one CuPy build.
+Over MPI it goes by a buffer broadcast (``Bcast``), otherwise through the job's store.
 """
 
 from __future__ import annotations
 
 import itertools
-import pickle
 from typing import Optional, Tuple, Union
 
 from smddp._topology import Topology
-from smddp.errors import BackendUnavailableError
+from smddp._wire import bcast_bytes
+from smddp.errors import BackendUnavailableError, CollectiveError
 
 UniqueId = Union[bytes, Tuple[int, ...]]
 
@@ -55,7 +57,11 @@ def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, m
 
         mpi_comm = MPI.COMM_WORLD
     if mpi_comm is not None:
-        return mpi_comm.bcast(nccl.get_unique_id() if topology.rank == 0 else None, root=0)
+        if topology.rank == 0:
+            uid = nccl.get_unique_id()
+            bcast_bytes(mpi_comm, encode(uid), root=0)
+            return uid
+        return decode(bcast_bytes(mpi_comm, None, root=0), "MPI broadcast from rank 0")
     if topology.size == 1:
         return nccl.get_unique_id()
     if store is None:
@@ -66,10 +72,62 @@ def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, m
     key = key or f"smddp/nccl/{generation}/unique_id"
     if topology.rank == 0:
         uid = nccl.get_unique_id()
-        store.set(key, pickle.dumps(uid))
+        store.set(key, encode(uid))
         return uid
-    # The job's own store, written by rank 0 above: the same trust as torch's object collectives.
-    return pickle.loads(store.get(key))  # noqa: S301
+    return decode(store.get(key), f"store key {key!r}")
+
+
+#: ``sizeof(ncclUniqueId)`` (``NCCL_UNIQUE_ID_BYTES``).
+ID_BYTES = 128
+#: The first byte of an encoded id: the form rank 0's CuPy returned it in.
+_BYTES, _SIGNED, _UNSIGNED = b"B", b"s", b"u"
+
+
+def encode(uid: UniqueId) -> bytes:
+    """``uid`` as :data:`ID_BYTES` + 1 raw bytes: its form (bytes, signed or unsigned chars), then the id.
+
+    Raises:
+        CollectiveError: ``uid`` is not 128 bytes or 128 char values.
+    """
+    if isinstance(uid, (bytes, bytearray)) and len(uid) == ID_BYTES:
+        return _BYTES + bytes(uid)
+    if isinstance(uid, tuple) and len(uid) == ID_BYTES and all(type(v) is int for v in uid):
+        if all(-128 <= v < 128 for v in uid) and any(v < 0 for v in uid):
+            return _SIGNED + bytes(v & 0xFF for v in uid)
+        if all(0 <= v < 256 for v in uid):
+            return _UNSIGNED + bytes(uid)
+    raise CollectiveError(
+        f"NCCL's unique id from CuPy is not {ID_BYTES} bytes or {ID_BYTES} char values: "
+        f"{type(uid).__name__} of length {len(uid) if hasattr(uid, '__len__') else '?'}"
+    )
+
+
+def decode(data, source: str) -> UniqueId:
+    """The unique id :func:`encode` wrote, in the form rank 0's CuPy returned it.
+
+    Args:
+        data: the bytes received.
+        source: where they came from, for the error.
+
+    Raises:
+        CollectiveError: ``data`` is not an id smddp encoded (wrong length or form); nothing in
+            it is run or unpickled.
+    """
+    if isinstance(data, (bytes, bytearray)) and len(data) == ID_BYTES + 1:
+        form, raw = bytes(data[:1]), bytes(data[1:])
+        if form == _BYTES:
+            return raw
+        if form == _UNSIGNED:
+            return tuple(raw)
+        if form == _SIGNED:
+            return tuple(v - 256 if v >= 128 else v for v in raw)
+    size = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+    raise CollectiveError(
+        f"the NCCL unique id received from {source} is malformed ({size} bytes; smddp sends {ID_BYTES + 1}: "
+        f"a form byte and the {ID_BYTES}-byte id) and was refused. Something other than this job's rank 0 "
+        f"wrote it, or the ranks run different smddp versions: run one smddp version on every rank, and "
+        f"keep the job's store (MASTER_ADDR:MASTER_PORT) reachable only by the job"
+    )
 
 
 def _mpi4py_installed() -> bool:

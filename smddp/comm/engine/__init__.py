@@ -42,7 +42,7 @@ import torch
 
 from smddp.comm.base import DONE, Communicator, Op, Pending, flat, then
 from smddp.comm.engine import debug as _debug
-from smddp.comm.engine.checks import Checks
+from smddp.comm.engine.checks import Checks, check_writable
 from smddp.comm.engine.handle import Handle, poll
 from smddp.comm.engine.health import Health
 from smddp.errors import CollectiveError, InvalidArgumentError, InvalidTypeError
@@ -187,7 +187,7 @@ class Engine(Health, Checks):
         name = _BACKWARD_ALL_REDUCE if backward else "all_reduce"
         if tensor.is_contiguous() and not tensor.requires_grad:
             return self._start(name, comm.all_reduce, async_op, check, (tensor, op))
-        buf, after = self._inplace(tensor)
+        buf, after = self._inplace(tensor, "all_reduce")
 
         def start(seq: int) -> Pending:
             pending = comm.all_reduce(buf, op, seq)
@@ -199,7 +199,7 @@ class Engine(Health, Checks):
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         comm = self._comm_for(tensor)
         self._check_rank(src, "src")
-        buf, after = self._inplace(tensor)
+        buf, after = self._inplace(tensor, "broadcast")
 
         def start(seq: int) -> Pending:
             pending = comm.broadcast(buf, src, seq)
@@ -216,6 +216,9 @@ class Engine(Health, Checks):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
         comm = self._comm_for(tensor, *tensor_list)
         self._check_per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
+        for i, out in enumerate(tensor_list):
+            if not out.is_contiguous():
+                check_writable(out, "all_gather", f"tensor_list[{i}]")
         src = flat(tensor)
         gathered = src.new_empty(self.size * src.numel())
 
@@ -240,7 +243,7 @@ class Engine(Health, Checks):
                 f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
                 f"{self.size} x {input.numel()}"
             )
-        buf, after = self._inplace(output)
+        buf, after = self._inplace(output, "all_gather_into_tensor", "output")
         out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:
@@ -261,7 +264,8 @@ class Engine(Health, Checks):
         comm = self._comm_for(output, input)
         out_counts = self._split_counts(output, output_split_sizes, "output")
         in_counts = self._split_counts(input, input_split_sizes, "input")
-        buf, after = self._inplace(output)
+        self._check_self_split(out_counts, in_counts, "all_to_all_single")
+        buf, after = self._inplace(output, "all_to_all_single", "output")
         out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:

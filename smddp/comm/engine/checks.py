@@ -63,14 +63,18 @@ class Checks:
             raise InvalidTypeError(f"dtype {dtype} is not supported by the {comm.name} backend; use one of: {names}")
         return comm
 
-
     @staticmethod
-    def _inplace(tensor: torch.Tensor):
-        """A contiguous buffer for ``tensor`` and what to do once the operation is done."""
+    def _inplace(tensor: torch.Tensor, op: str = "collective", what: str = "tensor"):
+        """A contiguous buffer for ``tensor`` and what to do once the operation is done.
+
+        Raises:
+            InvalidArgumentError: ``tensor`` has overlapping memory (:func:`check_writable`).
+        """
         if tensor.is_contiguous():
             # Communicators also finish with torch in-place ops (AVERAGE's divide, the copy
             # back from a bfloat16 upcast), which autograd refuses on a leaf that requires grad.
             return (tensor.detach() if tensor.requires_grad else tensor), None
+        check_writable(tensor, op, what)
         target = tensor.detach()
         buf = target.contiguous()
         return buf, lambda: target.copy_(buf)
@@ -94,6 +98,16 @@ class Checks:
         if not 0 <= rank < self.size:
             raise InvalidArgumentError(f"{what}={rank} is not a rank of this job (0..{self.size - 1})")
 
+    def _check_self_split(self, out_counts: Sequence[int], in_counts: Sequence[int], op: str) -> None:
+        """This rank receives from itself what it sends itself: a mismatch is an error here alone."""
+        mine = self.rank
+        if out_counts[mine] != in_counts[mine]:
+            raise InvalidArgumentError(
+                f"{op}: rank {mine} sends itself {in_counts[mine]} elements but expects {out_counts[mine]} "
+                f"from itself: its input and output parts for rank {mine} (split sizes, or list entries) must "
+                f"have the same size"
+            )
+
     def _split_counts(self, tensor: torch.Tensor, splits: Optional[Sequence[int]], what: str) -> List[int]:
         rows = tensor.shape[0] if tensor.dim() > 0 else 1
         row_numel = tensor.numel() // rows if rows else 0
@@ -115,3 +129,28 @@ class Checks:
                 f"{rows} rows along dim 0"
             )
         return [s * row_numel for s in splits]
+
+
+def check_writable(tensor: torch.Tensor, op: str, what: str) -> None:
+    """Refuse an output that is not dense, or whose elements share memory (a stride 0, as
+    ``expand()`` makes).
+
+    A result cannot be written back into such a tensor: torch's ``copy_`` refuses it, and by
+    then the data would have been sent. Contiguous tensors never overlap; callers check only
+    the others.
+
+    Raises:
+        InvalidTypeError: ``tensor`` is not dense (a sparse or mkldnn layout).
+        InvalidArgumentError: two elements of ``tensor`` are one memory location.
+    """
+    if tensor.layout is not torch.strided:
+        raise InvalidTypeError(
+            f"{op}: {what} has layout {tensor.layout}; collectives take dense tensors: pass {what}.to_dense()"
+        )
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if stride == 0 and size > 1:
+            raise InvalidArgumentError(
+                f"{op}: {what} has overlapping memory (shape {tuple(tensor.shape)}, stride {tensor.stride()}: "
+                f"several elements are one memory location, as after expand()), so the result cannot be "
+                f"written into it; pass a tensor with memory of its own: {what}.contiguous() or {what}.clone()"
+            )

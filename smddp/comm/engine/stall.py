@@ -8,8 +8,11 @@ finished, how long ago, whether the script has ended). Nothing is exchanged whil
 collectives run normally, so the hot path pays nothing.
 
 A rank answers while its main thread sleeps, computes in torch, or waits in a collective.
-A rank that does not answer within :data:`ANSWER_WAIT` seconds is named as such: it has
-died, or it is stuck in code that never releases Python's GIL.
+A rank that does not answer within :data:`ANSWER_WAIT` seconds is named as not answering.
+Each rank leaves its process id and host identity in the store when it starts answering, so
+that a rank on the same host can say more: the silent process is stopped (``SIGSTOP``, a
+debugger), dead, or alive and stuck in code that never releases Python's GIL. Advice about
+uneven batches is given only about ranks that answered.
 
 When a script ends, its rank leaves a note in the store (``exiting``/``closed``/``failed``)
 so that a rank still waiting learns that the other one left its training loop (the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from datetime import timedelta
@@ -80,8 +84,9 @@ class StoreChannel:
         self._ended = False
 
     def serve(self, status: Callable[[], Status]) -> None:
-        """Start answering queries with ``status()``."""
+        """Start answering queries with ``status()``; say which process answers."""
         self._status = status
+        self.store.set(f"p/{self.rank}", json.dumps({"pid": os.getpid(), "host": host_identity()}))
         self._thread = threading.Thread(target=self._serve, name="smddp-stall-responder", daemon=True)
         self._thread.start()
 
@@ -89,10 +94,16 @@ class StoreChannel:
         key = f"q/{self.rank}"
         while True:
             try:
-                query = json.loads(self._conn.queue_pop(key, block=True))
-                if query.get("stop"):
+                raw = self._conn.queue_pop(key, block=True)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            query = _json_dict(raw)
+            if query is None or not all(type(query.get(k)) is int for k in ("from", "id")):
+                if query is not None and query.get("stop") is True:
                     return
-                base = f"a/{query['from']}/{query['id']}"
+                continue  # not a query smddp wrote: ignored, and the responder keeps answering
+            base = f"a/{query['from']}/{query['id']}"
+            try:
                 self._conn.set(f"{base}/{self.rank}", json.dumps(self._status()))
                 self._conn.add(f"{base}/n", 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
@@ -105,8 +116,10 @@ class StoreChannel:
             timeout: seconds to wait for answers.
 
         Returns:
-            ``{rank: status or None}`` for every other rank; None: no answer and no note
-            left at exit.
+            ``{rank: status or None}`` for every other rank; None: no answer, no note left at
+            exit, and nothing known of its process. A rank that did not answer whose process
+            is on this host gets ``{"state": "silent", "process": ..., "pid": ...}``, with
+            ``process`` one of :func:`process_state`'s answers.
         """
         with self._query_lock:
             qid = next(self._queries)
@@ -120,13 +133,26 @@ class StoreChannel:
                  time.monotonic() + timeout, pause=_pause)
             found: Dict[int, Optional[Status]] = {}
             for r in others:
-                found[r] = self._read(f"{base}/{r}") or self._read(f"x/{r}")
+                found[r] = self._read(f"{base}/{r}") or self._read(f"x/{r}") or self._silent(r)
             return found
+
+    def _silent(self, rank: int) -> Optional[Status]:
+        """What this host can see of ``rank``'s process, which did not answer."""
+        where = self._read(f"p/{rank}")
+        if not isinstance(where, dict) or not where.get("host") or where.get("host") != host_identity():
+            return None
+        pid = where.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            return None
+        return {"state": "silent", "process": process_state(pid), "pid": pid}
 
     def _read(self, key: str) -> Optional[Status]:
         if not self.store.check([key]):
             return None
-        return json.loads(self.store.get(key))
+        found = _json_dict(self.store.get(key))
+        if found is None or not all(isinstance(found.get(k, 0), (int, float)) for k in ("seq", "age")):
+            return None  # not a status smddp wrote: treated as no answer
+        return found
 
     def note_end(self, status: Status) -> None:
         """Leave this rank's final status where the others find it (once)."""
@@ -162,6 +188,38 @@ class StoreChannel:
             # blocking store call during shutdown aborts the process. It ends within
             # milliseconds; the bound only matters on a starved CPU.
             self._thread.join(10.0)
+
+
+def _json_dict(raw) -> Optional[dict]:
+    """``raw`` (bytes from the store) as a JSON object, or None: the store's values are only ever
+    read as JSON, never unpickled, and a malformed one is ignored."""
+    try:
+        found = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def host_identity() -> str:
+    """This machine and process-id namespace ("" where unknown): two processes with the same
+    identity see each other's process ids in ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def process_state(pid: int) -> str:
+    """``"stopped"``, ``"dead"`` or ``"alive"``: process ``pid`` on this host, from ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "dead"
+    if state in ("T", "t"):
+        return "stopped"
+    return "dead" if state in ("Z", "X", "x") else "alive"
 
 
 # ---------------------------------------------------------------------------- the report
@@ -216,18 +274,22 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
         return _positions(statuses)
     missing: Dict[str, List[int]] = {}
     different: Dict[str, List[int]] = {}
-    silent: List[int] = []
-    hint = "backward" in op_name
+    silent: Dict[int, Optional[Status]] = {}
+    backward = "backward" in op_name
+    # The uneven-batches advice fits only ranks that answered and are elsewhere in the
+    # script (another collective, outside collectives, its end), never a silent one.
+    hint = False
     for rank, st in sorted(statuses.items()):
-        if st is None:
-            silent.append(rank)
+        if st is None or st.get("state") == "silent":
+            silent[rank] = st
             continue
         at = int(st.get("seq") or 0)
         if at < seq:
             missing.setdefault(_where(st), []).append(rank)
+            hint = hint or (backward and st.get("state") not in ("failed", "broken"))
         elif at == seq and _kind(st.get("op")) != _kind(op_name):
             different.setdefault(str(st.get("op")), []).append(rank)
-            hint = hint or "backward" in str(st.get("op"))
+            hint = hint or backward or "backward" in str(st.get("op"))
     parts = []
     never = sorted(r for ranks in missing.values() for r in ranks)
     if never:
@@ -239,31 +301,53 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
             f"the ranks called different collectives (set SMDDP_DEBUG=1 to check every call)."
         )
     if silent:
-        parts.append(
-            f"Ranks that did not answer within {ANSWER_WAIT:g} s: {ranks_text(silent)} (dead, or stuck in "
-            f"code that does not release Python's GIL)."
-        )
+        parts.append(_silent_text(silent))
     if not parts and stalled:
         parts.append(
             "Every rank arrived at this collective: it stalled inside the communication library "
             "(a network problem, or a peer stuck inside it); for NCCL, set NCCL_DEBUG=INFO."
         )
-    if hint and (never or different or silent):
+    if hint:
         parts.append(UNEVEN_BATCHES_HINT)
+    return " ".join(parts)
+
+
+#: What a silent rank's process state says, by :func:`process_state`'s answer.
+_SILENT_WHY = {
+    "stopped": "is stopped (SIGSTOP, Ctrl-Z or a debugger): it cannot answer or take part until "
+               "resumed (kill -CONT {pid})",
+    "dead": "has died",
+    "alive": "is alive but not responding: hung in native code that holds Python's GIL (py-spy dump "
+             "--native --pid {pid} shows where)",
+    None: "is not answering: alive but not responding (stopped, or hung in native code that holds "
+          "Python's GIL), or dead",
+}
+
+
+def _silent_text(silent: Dict[int, Optional[Status]]) -> str:
+    """Sentences about the ranks that did not answer, with what this host saw of their processes."""
+    by_state: Dict[Optional[str], List[int]] = {}
+    for rank, st in silent.items():
+        by_state.setdefault(st.get("process") if st else None, []).append(rank)
+    parts = [f"Ranks that did not answer within {ANSWER_WAIT:g} s: {ranks_text(silent)}."]
+    for state, ranks in by_state.items():
+        why = _SILENT_WHY.get(state, _SILENT_WHY[None])
+        pids = [silent[r]["pid"] for r in ranks if silent[r]]
+        where = f" (process {', '.join(map(str, pids))} on this host)" if pids else ""
+        parts.append(f"Rank {ranks_text(ranks)}{where} {why.format(pid=' '.join(map(str, pids)))}.")
     return " ".join(parts)
 
 
 def _positions(statuses: Dict[int, Optional[Status]]) -> str:
     """Where each rank is, for a point-to-point message (which involves two ranks, not all)."""
     where: Dict[str, List[int]] = {}
-    silent = []
+    silent: Dict[int, Optional[Status]] = {}
     for rank, st in sorted(statuses.items()):
-        if st is None:
-            silent.append(rank)
+        if st is None or st.get("state") == "silent":
+            silent[rank] = st
         else:
             where.setdefault(_where(st), []).append(rank)
     parts = [f"Rank {ranks_text(ranks)} {text}." for text, ranks in where.items()]
     if silent:
-        parts.append(f"Ranks that did not answer within {ANSWER_WAIT:g} s: {ranks_text(silent)} (dead, or stuck "
-                     f"in code that does not release Python's GIL).")
+        parts.append(_silent_text(silent))
     return " ".join(parts)
