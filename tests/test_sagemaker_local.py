@@ -52,7 +52,8 @@ channels = {name: sorted(os.listdir(os.environ["SM_CHANNEL_" + name.upper()]))
             for name in json.loads(os.environ["SM_CHANNELS"])}
 record = {
     "rank": topo.rank, "size": topo.size, "local_rank": topo.local_rank, "local_size": topo.local_size,
-    "launcher": topo.launcher, "args": vars(args), "argv": sys.argv[1:], "cwd": os.getcwd(),
+    "launcher": topo.launcher, "args": {k: v for k, v in vars(args).items() if k != "plane"},
+    "argv": sys.argv[1:], "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items()
             if k.startswith("SM_") or k in ("SMDATAPARALLEL_LOCAL_RANK", "MY_SETTING", "TRAINING_JOB_NAME",
                                             "SAGEMAKER_INSTANCE_TYPE")},
