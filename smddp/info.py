@@ -287,12 +287,13 @@ def collect(env=None) -> Dict[str, Any]:
 def _shm_core(env) -> Dict[str, Any]:
     """Which implementation runs the shared-memory CPU plane here, and why."""
     from smddp.comm.backends import shm, shm_segment
+    from smddp.comm.cpu import settings
 
     info: Dict[str, Any] = {"supported": shm_segment.supported(), "compiled": shm.native is not None,
                             "path": getattr(shm.native, "__file__", None)}
     if not info["supported"]:
         info["runs"] = "none (the plane needs x86-64 Linux with /dev/shm: CPU collectives use MPI or gloo)"
-    elif shm.native_wanted(env):
+    elif shm.native is not None and settings(env).native:
         info["runs"] = "compiled core"
     elif shm.native is None:
         info["runs"] = "Python path (the compiled core was not built: no C compiler at install?)"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from smddp.comm.cpu import settings
+
 from launchers import SCRIPTS, mpirun, rank_lines
 
 SCRIPT = str(SCRIPTS / "shm_checks.py")
@@ -46,7 +48,7 @@ def test_the_compiled_core_is_built():
     from smddp.comm.backends import shm
 
     assert shm.native is not None, "smddp/comm/backends/_shm_native.c was not built: pip install -e . again"
-    assert shm.native_wanted({}) and not shm.native_wanted({"SMDDP_SHM_NATIVE": "0"})
+    assert settings({}).native and not settings({"SMDDP_SHM_NATIVE": "0"}).native
     # Both implementations stop at the ranks whose epoch words the segment's header holds.
     assert shm.native.MAX_RANKS == shm.MAX_LOCAL_RANKS == 64
 

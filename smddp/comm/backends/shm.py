@@ -78,11 +78,6 @@ _SPINS = 64  # the Python path's flag checks per test() call before handing the 
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
 
-def native_wanted(env=os.environ) -> bool:
-    """True when the compiled core is built and ``SMDDP_SHM_NATIVE`` does not turn it off."""
-    return native is not None and env.get("SMDDP_SHM_NATIVE", "1").strip() not in ("0", "false", "no", "off")
-
-
 class Plane(TorchOps):
     """The shared segment of one host's ranks and the operations over it.
 
@@ -372,7 +367,7 @@ def open_plane(host, votes, group: str = "world", slot: int = SLOT_BYTES) -> Opt
 
     Args:
         host: the host's set-up channel (:class:`~smddp.comm.backends.hostmates.HostChannel`).
-        votes: ``(supported(), native_wanted())`` of each rank of the host, the same list on
+        votes: ``(supported(), compiled core built and wanted)`` of each rank of the host, the same list on
             every one of them (exchanged through the store with the host identities).
         group: a name for the group, part of the segment's name.
         slot: bytes of each buffer.
