@@ -63,7 +63,7 @@ NUMPY_BARS = {4 << 10: 1.5, 64 << 10: 1.2, 1 << 20: 1.0, 16 << 20: 1.0, 64 << 20
 def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], None]]:
     from mpi4py import MPI
 
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
     numel = nbytes // 4
     tensor = torch.ones(numel)
@@ -76,7 +76,7 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
         "mpi4py-numpy": lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM),
     }
     if layers:
-        engine = process_group.current().engine
+        engine = groups.current().engine
         communicator = engine.comms["cpu"]
 
         def through_communicator():
@@ -178,9 +178,9 @@ def main(argv=None) -> int:
     if args.plane:
         os.environ["SMDDP_CPU_PLANE"] = args.plane
     dist.init_process_group(backend="mpi")
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
-    plane = getattr(process_group.current().engine.comms["cpu"], "plane", "mpi")
+    plane = getattr(groups.current().engine.comms["cpu"], "plane", "mpi")
     import mpi4py
     from mpi4py import MPI
 

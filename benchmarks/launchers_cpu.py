@@ -50,7 +50,7 @@ def worker(sizes: List[int]) -> None:
     import torch
 
     import smddp.torch.distributed as dist
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
     dist.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -72,7 +72,7 @@ def worker(sizes: List[int]) -> None:
         slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         medians[str(nbytes)] = float(slowest)
-    comm = process_group.current().engine.comms["cpu"]
+    comm = groups.current().engine.comms["cpu"]
     if rank == 0:
         print("RESULT " + json.dumps({"medians": medians, "backend": comm.name, "plane": comm.plane}), flush=True)
     dist.destroy_process_group()

@@ -7,7 +7,7 @@ SageMaker's runner gives it, then runs the program as ``python script.py args`` 
   ``MASTER_ADDR``, ``MASTER_PORT`` and ``SAGEMAKER_INSTANCE_TYPE`` from the launcher's own
   variables (:mod:`smddp._runtime`); values already set win, but a ``RANK`` or ``WORLD_SIZE``
   that contradicts the launcher ends the process with an error naming both;
-- the ``smdistributed`` import alias (:mod:`smddp._alias`), unless
+- the ``smdistributed`` import alias (:mod:`smddp._smdistributed_finder`), unless
   ``SMDDP_ALIAS_SMDISTRIBUTED=0``;
 - an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
   instead of leaving the other ranks waiting in a collective, and a finalize that never returns;
@@ -24,7 +24,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _alias, _runtime
+from smddp import _runtime, _smdistributed_finder
 from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _follow_launcher()
     topo = _prepare_environment()
     if os.environ.get(ALIAS_ENV, "1") != "0":
-        _alias.enable(note=topo.rank == 0)
+        _smdistributed_finder.enable(note=topo.rank == 0)
     try:
         _run(script, module, args)
     except SystemExit as exc:

@@ -18,7 +18,7 @@ never shadowed: when one is importable the alias stays off and a note says so on
 
 from __future__ import annotations
 
-from smddp._alias import ALIAS_ROOT, TARGET_ROOT, disable, enable, is_enabled, real_smdistributed
+from smddp._smdistributed_finder import ALIAS_ROOT, TARGET_ROOT, disable, enable, is_enabled, real_smdistributed
 
 __all__ = ["ALIAS_ROOT", "TARGET_ROOT", "enable", "disable", "is_enabled", "real_smdistributed"]
 

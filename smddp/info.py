@@ -31,6 +31,7 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from smddp import knobs
 from smddp._info_probe import MARKER
 
 #: Environment variables worth showing: prefixes and exact names (values shown as they are).
@@ -217,7 +218,7 @@ def _backends(child: Dict[str, Any], env) -> Dict[str, Any]:
             choices[label] = comm.choose_backend(None, env, topology, found)
         except Exception as exc:  # noqa: BLE001 - a bad SMDDP_BACKEND is worth reporting
             choices[label] = f"error: {exc}"
-    return {"registry": rows, "auto": choices, "SMDDP_BACKEND": env.get("SMDDP_BACKEND"),
+    return {"registry": rows, "auto": choices, "SMDDP_BACKEND": knobs.value("SMDDP_BACKEND", env),
             "probe": {k: getattr(found, k) for k in ("cuda", "xpu", "mpi4py", "cupy", "xccl", "ccl")}}
 
 

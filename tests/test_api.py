@@ -109,9 +109,9 @@ def test_bad_init_arguments(clean_env):
 def test_timeout_and_explicit_backend(clean_env):
     dist.init_process_group("local", timeout=timedelta(seconds=7))
     try:
-        from smddp.torch import process_group
+        from smddp.torch import groups
 
-        assert process_group.current().engine.timeout == 7
+        assert groups.current().engine.timeout == 7
     finally:
         dist.destroy_process_group()
 

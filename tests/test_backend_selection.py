@@ -534,15 +534,12 @@ def test_device_tensors_go_to_the_device_communicator():
     assert cpu.calls == [("all_reduce", ("cpu",))]
 
 
-def test_a_stream_aware_pending_completes_on_its_first_test():
+def test_a_pending_done_at_its_first_test_is_tested_once():
     class StreamOrderedStub(Pending):
         tests = 0
 
         def test(self):
             StreamOrderedStub.tests += 1
-            return True
-
-        def stream_aware(self):
             return True
 
     class Device(Recorder):
@@ -598,7 +595,7 @@ class FakeWork:
 def test_stream_ordered_work_is_waited_on_not_polled():
     work = FakeWork(done_after=100)
     pending = WorkPending(work, stream_ordered=True)
-    assert pending.stream_aware() and pending.test() and pending.test()
+    assert pending.test() and pending.test()
     assert work.polls == 0 and work.waits == 1
 
 
@@ -606,7 +603,6 @@ def test_polled_work_runs_its_follow_up_once_and_raises_errors():
     after = []
     work = FakeWork(done_after=2)
     pending = WorkPending(work, stream_ordered=False, after=lambda: after.append(1))
-    assert not pending.stream_aware()
     assert [pending.test() for _ in range(4)] == [False, False, True, True]
     assert after == [1] and work.waits == 1
     with pytest.raises(RuntimeError, match="peer died"):

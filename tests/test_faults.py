@@ -121,8 +121,8 @@ INIT = {
 def test_bad_smddp_timeout_is_one_error_whichever_init(entry):
     result = python(["-c", INIT[entry]], env={"SMDDP_TIMEOUT": "soon"})
     assert result.returncode != 0, result.output
-    assert ("smddp.errors.InvalidArgumentError: SMDDP_TIMEOUT='soon' is not a number of seconds; "
-            "set it to how long a collective may take") in result.stderr, result.output
+    assert ("smddp.errors.InvalidArgumentError: SMDDP_TIMEOUT='soon' is not a number: SMDDP_TIMEOUT sets "
+            "how long a collective may take, in seconds") in result.stderr, result.output
 
 
 # ---------------------------------------------------------------------------- SMDDP_DEBUG

@@ -158,9 +158,9 @@ def test_errors_before_communication(world_of_one, name, error, call):
 
 
 def test_point_to_point_needs_a_peer(world_of_one):
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
-    engine = process_group.current().engine
+    engine = groups.current().engine
     with pytest.raises(smddp.InvalidArgumentError, match="this rank"):
         derived.send(engine, torch.ones(2), 0, 0)
     with pytest.raises(smddp.InvalidArgumentError, match="tag"):
@@ -168,9 +168,9 @@ def test_point_to_point_needs_a_peer(world_of_one):
 
 
 def test_joined_completes_once_all_do(world_of_one):
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
-    engine = process_group.current().engine
+    engine = groups.current().engine
     tensors = [torch.ones(2), torch.ones(3)]
     joined = derived.each(lambda t: engine.all_reduce(t, Op.SUM, async_op=True), tensors)
     seen = []

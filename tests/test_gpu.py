@@ -188,9 +188,9 @@ def gather_into(output: torch.Tensor, input: torch.Tensor):
     ``torch.distributed.all_gather_into_tensor`` of torch >= 2.13 goes to a C++ method
     that does not reach a Python group, so the group's ``_allgather_base`` is called.
     """
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
-    return process_group.current()._allgather_base(output, input)
+    return groups.current()._allgather_base(output, input)
 
 
 class Worker:
@@ -433,9 +433,9 @@ class Worker:
 
     # ------------------------------------------------------------------ deadlines
     def _nccl_comm(self):
-        from smddp.torch import process_group
+        from smddp.torch import groups
 
-        return process_group.current().engine.comms["cuda"]
+        return groups.current().engine.comms["cuda"]
 
     def run_deadlines(self) -> None:
         dist = self.start()

@@ -19,7 +19,7 @@ from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.backends.nccl import share_unique_id
 from smddp.comm.base import Context
-from smddp.comm.groups import group_topology, members, subgroup_communicators
+from smddp.comm.subgroups import group_topology, members, subgroup_communicators
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 from launchers import mpirun, rank_lines, torchrun

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from smddp import _alias, launch
+from smddp import _smdistributed_finder, launch
 
 from launchers import MPIRUN, ROOT, SCRIPTS, base_env, run
 
@@ -175,14 +175,14 @@ def test_clear_errors_instead_of_a_start(tmp_path):
 def test_alias_is_smddp_itself_and_can_be_turned_off():
     import smddp.torch.distributed as smddp_dist
 
-    assert _alias.enable()
+    assert _smdistributed_finder.enable()
     try:
         import smdistributed.dataparallel.torch.distributed as sm_dist
 
         assert sm_dist is smddp_dist
         assert smddp_dist.__spec__.name == "smddp.torch.distributed"
     finally:
-        _alias.disable()
+        _smdistributed_finder.disable()
     assert "smdistributed" not in sys.modules
     with pytest.raises(ImportError):
         import smdistributed  # noqa: F401

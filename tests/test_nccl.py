@@ -22,7 +22,7 @@ from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import NCCL_2_10, NCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
-from smddp.comm.groups import group_topology, subgroup_communicators
+from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import CollectiveError, CollectiveTimeout, InvalidTypeError
 
 JOIN = 60.0  # seconds a rank's thread may take at most: a hang fails the test instead

@@ -37,11 +37,11 @@ plane = None
 if args.plane:  # join the job's world and report the CPU plane its all-reduce took
     import torch, torch.distributed as tdist
     import smddp.torch.torch_smddp
-    from smddp.torch import process_group
+    from smddp.torch import groups
     tdist.init_process_group(backend="smddp")
     total = torch.tensor([float(topo.rank + 1)])
     tdist.all_reduce(total)
-    plane = [process_group.current().engine.comms["cpu"].plane, total.item()]
+    plane = [groups.current().engine.comms["cpu"].plane, total.item()]
     tdist.destroy_process_group()
 try:
     import shared_lib

@@ -3,7 +3,7 @@
 - :mod:`smddp.comm.engine`: runs every collective (order, checks, deadlines, failures);
 - :mod:`smddp.comm.backends`: one communicator module per library;
 - :mod:`smddp.comm.algorithms`: collectives built from the engine's own;
-- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.groups`
+- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.subgroups`
   (subgroups) and :mod:`smddp.comm.rendezvous` (the job's store).
 
 Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
+from smddp import knobs
 from smddp._topology import Topology
 from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL  # noqa: F401 - re-exported
 from smddp.errors import BackendUnavailableError
@@ -163,7 +164,7 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
             device backend was asked for where its device or library is missing, or the
             machine has an Intel GPU and no oneCCL (each message says what to install).
     """
-    name = requested or env.get("SMDDP_BACKEND") or None
+    name = requested or knobs.value("SMDDP_BACKEND", env)
     if name in (None, "", "auto", "smddp"):
         if not topology.distributed and topology.size == 1:
             return "local"

@@ -96,10 +96,6 @@ class Pending(abc.ABC):
     def test(self) -> bool:
         """Advance the operation; True when it has completed."""
 
-    def stream_aware(self) -> bool:
-        """True when completion is ordered on a device stream (no host wait needed)."""
-        return False
-
     def waited(self) -> None:  # noqa: B027 - optional: only stream-ordered operations act here
         """Called on every wait once the operation completed: a stream-ordered operation makes
         the caller's current stream wait for it (the caller may wait from another stream)."""
@@ -128,25 +124,24 @@ DONE = Done()
 
 
 class Then(Pending):
-    """``pending``, then ``action()`` once (copy back, divide, cast).
+    """``pending``, then ``action()`` once (copy back, divide, cast), keeping ``held`` alive till then.
 
     A stream-ordered operation queues ``action`` on its stream at once, right after itself
     (:meth:`Pending.queue_after`); any other runs it on the host once it completes.
+    Libraries read and write buffers by address while an operation is in flight: ``held``
+    keeps the buffers that only a start function referenced from being freed under them.
     """
 
-    def __init__(self, pending: Pending, action):
-        self._pending, self._done = pending, False
-        self._action = None if pending.queue_after(action) else action
+    def __init__(self, pending: Pending, action=None, held: tuple = ()):
+        self._pending, self._done, self._held = pending, False, held
+        self._action = None if action is None or pending.queue_after(action) else action
 
     def test(self) -> bool:
         if not self._done and self._pending.test():
             if self._action is not None:
                 self._action()
-            self._done = True
+            self._done, self._held = True, ()
         return self._done
-
-    def stream_aware(self) -> bool:
-        return self._pending.stream_aware()
 
     def waited(self) -> None:
         self._pending.waited()
@@ -155,16 +150,20 @@ class Then(Pending):
         return self._action is None and self._pending.queue_after(action)
 
 
-def then(pending: Pending, action=None) -> Pending:
-    """``pending``, then ``action()`` (None: nothing): a :class:`Then`, except that an operation
-    that completed as it started (:data:`DONE`) runs ``action`` now and stays :data:`DONE`, so
-    the engine completes it without a handle to test."""
-    if action is None:
-        return pending
+def then(pending: Pending, action=None, *held) -> Pending:
+    """``pending``, then ``action()`` (None: nothing), keeping ``held`` alive until it completes.
+
+    A :class:`Then`, except that an operation that completed as it started (:data:`DONE`)
+    runs ``action`` now and stays :data:`DONE` (so the engine completes it without a handle
+    to test, and nothing need be kept), and that with nothing to add ``pending`` is returned.
+    """
     if pending is DONE:
-        action()
+        if action is not None:
+            action()
         return DONE
-    return Then(pending, action)
+    if action is None and not held:
+        return pending
+    return Then(pending, action, held)
 
 
 @dataclass
@@ -185,8 +184,8 @@ class Communicator(abc.ABC):
     A communicator may also offer ``subgroup(ranks, ctx) -> Communicator``: a communicator
     over the global ``ranks`` (group rank ``i`` is global rank ``ranks[i]``), called by the
     member ranks only, in the same order on each (like ``MPI_Comm_create_group``), with the
-    group's context (:func:`smddp.comm.groups.group_topology`, the group's own store). Without
-    it, :mod:`smddp.comm.groups` makes a gloo communicator over the group's store for CPU
+    group's context (:func:`smddp.comm.subgroups.group_topology`, the group's own store). Without
+    it, :mod:`smddp.comm.subgroups` makes a gloo communicator over the group's store for CPU
     tensors.
 
     Attributes:
@@ -212,6 +211,11 @@ class Communicator(abc.ABC):
     #: :mod:`smddp.comm.cpu` on CPU communicators; subgroups reuse the settings).
     plane_reason: str = ""
     plane_settings: Optional[Any] = None
+
+    #: Data moves only while a thread calls into the library (MPI, shared memory), not on
+    #: threads or streams of its own (gloo, NCCL): see :meth:`Engine.finish
+    #: <smddp.comm.engine.Engine.finish>`.
+    progresses_in_caller: bool = False
 
     @property
     def plane(self) -> str:

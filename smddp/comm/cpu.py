@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch.distributed as tdist
 
+from smddp import knobs
 from smddp.comm.backends import hostmates
 from smddp.comm.base import Communicator, Context
 from smddp.errors import BackendUnavailableError
@@ -62,14 +63,14 @@ def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
     Raises:
         BackendUnavailableError: ``SMDDP_CPU_PLANE`` is not one of :data:`PLANES`.
     """
-    plane = env.get(ENV, "").strip().lower() or "auto"
+    plane = knobs.value(ENV, env).lower()
     if plane not in PLANES:
         raise BackendUnavailableError(f"{ENV}={plane!r} is not a CPU plane; use one of: {', '.join(PLANES)}")
     return PlaneSettings(
         plane=plane,
-        native=env.get("SMDDP_SHM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off"),
-        hierarchical_min_bytes=int(env.get("SMDDP_HIERARCHICAL_MIN_BYTES", 256 * 1024)),
-        debug=env.get("SMDDP_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off"),
+        native=knobs.value("SMDDP_SHM_NATIVE", env),
+        hierarchical_min_bytes=knobs.value("SMDDP_HIERARCHICAL_MIN_BYTES", env),
+        debug=knobs.value("SMDDP_DEBUG", env),
     )
 
 

@@ -34,7 +34,7 @@ from smddp.errors import (
     InvalidTypeError,
     NotInitializedError,
 )
-from smddp.torch import _compat, process_group
+from smddp.torch import _compat, groups, process_group
 
 __all__ = [
     "ReduceOp",
@@ -89,16 +89,7 @@ class group:  # noqa: N801 - the reference's name
 _WORLD = group.WORLD
 
 
-_OPS = {
-    ReduceOp.AVERAGE: Op.AVERAGE,
-    ReduceOp.SUM: Op.SUM,
-    ReduceOp.MIN: Op.MIN,
-    ReduceOp.MAX: Op.MAX,
-    tdist.ReduceOp.RedOpType.AVG: Op.AVERAGE,
-    tdist.ReduceOp.RedOpType.SUM: Op.SUM,
-    tdist.ReduceOp.RedOpType.MIN: Op.MIN,
-    tdist.ReduceOp.RedOpType.MAX: Op.MAX,
-}
+_OPS = {ReduceOp.AVERAGE: Op.AVERAGE, ReduceOp.SUM: Op.SUM, ReduceOp.MIN: Op.MIN, ReduceOp.MAX: Op.MAX}
 
 _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name",
                 "pg_options", "device_id")
@@ -106,7 +97,7 @@ _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "stor
 
 # ---------------------------------------------------------------------------- checks
 def _engine() -> Engine:
-    pg = process_group.current()
+    pg = groups.current()
     if pg is None:
         raise NotInitializedError(
             "smddp is not initialized: call smddp.torch.distributed.init_process_group() first"
@@ -117,7 +108,7 @@ def _engine() -> Engine:
 def _check_group(grp) -> None:
     if grp is None or grp is group.WORLD:
         return
-    pg = process_group.current()
+    pg = groups.current()
     if pg is not None and grp is pg:
         return
     raise InvalidGroupError(
@@ -138,15 +129,15 @@ def _op(op) -> Op:
         return Op.SUM
     if op.__class__ is ReduceOp:  # the common case first: one lookup
         return _OPS[op]
-    key = getattr(op, "op", op)  # a torch ReduceOp object carries its type in .op
     try:
-        if isinstance(key, (int, float)):  # torch's op enum compares equal to ints: 3 would mean MIN
-            raise KeyError(key)
-        return _OPS[key]
-    except (KeyError, TypeError):
+        found = process_group.torch_op(op)  # torch's ReduceOp: one translation of it, the backend's
+    except InvalidArgumentError:
+        found = None
+    if found is None or found is Op.PRODUCT:  # the reference's four
         raise InvalidArgumentError(
             f"unsupported reduction op {op!r}; supported: ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX"
-        ) from None
+        )
+    return found
 
 
 # ---------------------------------------------------------------------------- setup
@@ -200,7 +191,7 @@ def init_process_group(*args, **kwargs) -> None:
         return
     timeout = kwargs.get("timeout")
     if timeout is None:
-        timeout = process_group.resolve_timeout(_compat.default_timeout())
+        timeout = groups.resolve_timeout(_compat.default_timeout())
     elif not isinstance(timeout, timedelta):
         raise InvalidTypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     rank, world_size = kwargs.get("rank"), kwargs.get("world_size")
@@ -211,8 +202,8 @@ def init_process_group(*args, **kwargs) -> None:
     name = comm.choose_backend(None if backend in (None, "smddp") else backend, os.environ, topology, comm.probe())
     comm.backend_class(name)  # fail here, naming the pip extra, before any rendezvous
 
-    process_group.register()
-    process_group.request_backend(name)
+    groups.register()
+    groups.request_backend(name)
     extra = {k: kwargs[k] for k in ("group_name", "pg_options", "device_id") if kwargs.get(k) is not None}
     try:
         store = kwargs.get("store")
@@ -229,7 +220,7 @@ def init_process_group(*args, **kwargs) -> None:
                 rank=topology.rank, world_size=topology.size, timeout=timeout, **extra,
             )
     finally:
-        process_group.request_backend(None)
+        groups.request_backend(None)
 
 
 def is_initialized() -> bool:
@@ -238,14 +229,14 @@ def is_initialized() -> bool:
     Returns:
         ``True`` if initialized, else ``False``.
     """
-    return process_group.current() is not None
+    return groups.current() is not None
 
 
 def destroy_process_group() -> None:
     """Tear down smddp and torch's default group; :func:`init_process_group` may be called again."""
-    if process_group.current() is None:
+    if groups.current() is None:
         return
-    process_group.destroy()
+    groups.destroy()
     tdist.destroy_process_group()
 
 

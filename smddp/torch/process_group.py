@@ -8,24 +8,14 @@ thread, so torch's DDP overlaps gradient reduction with backward.
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import os
-import time
-from datetime import timedelta
-from typing import Optional
-
 import torch
 import torch.distributed as tdist
 
-from smddp import comm
-from smddp._topology import Topology, discover
 from smddp.comm.algorithms import derived
-from smddp.comm.base import Context, Op
+from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
-from smddp.comm.engine.handle import poll
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
-from smddp.torch import _compat, _groups, _native, _rendezvous
+from smddp.torch import _compat
 from smddp.torch._work import RecvWork, Work
 
 BACKEND_NAME = "smddp"
@@ -48,7 +38,6 @@ _HASH_IS_CODE = all(hash(_TORCH_REDUCE_OP(_RED_OP_TYPE(code))) == code for code 
 # long (an MPI all-reduce of a 25 MB bucket takes a few ms on one host); see
 # SmddpProcessGroup._finish_with_backward.
 _FINISH_SECONDS = 0.05
-_yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 def torch_op(reduce_op) -> Op:
@@ -77,16 +66,17 @@ def _single(tensors, what: str) -> torch.Tensor:
 class SmddpProcessGroup(tdist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`."""
 
-    def __init__(self, engine: Engine, rank: int, size: int):
+    def __init__(self, engine: Engine, rank: int, size: int, on_shutdown=None):
         super().__init__(rank, size)
         self.engine = engine
+        self._on_shutdown = on_shutdown
         self._group_name = ""
         #: Device type to the seconds its torch-native backend took to create (see _native).
         self.native_backends = {}
         # MPI and the shared-memory planes move data only while a thread calls into them (gloo
         # has threads of its own): see _finish_with_backward.
         cpu = engine.comms.get("cpu")
-        self._drive_in_backward = cpu is not None and (cpu.name == "mpi" or cpu.plane in ("shm", "hierarchical"))
+        self._drive_in_backward = cpu is not None and cpu.progresses_in_caller
         self._backward_handles = {}
 
     # torch asks these of every group
@@ -107,14 +97,11 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         """``destroy_process_group(group)``: close this group's engine and native backends now.
 
         torch calls it on every group it destroys (older versions call it only on NCCL's
-        groups; there the next world group closes one left open: see :func:`_create`).
+        groups; there the next world group closes one left open: see
+        :func:`smddp.torch.groups.create`).
         """
-        if self.engine.global_ranks is None:
-            if self is _current:
-                destroy()
-        elif _groups.forget(self):
-            self.engine.close()
-            _shut_down_native(self)
+        if self._on_shutdown is not None:
+            self._on_shutdown(self)
 
     # collectives torch calls by these names
     def allreduce(self, tensors, opts=None):
@@ -149,14 +136,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         handles.append(handle)
 
     def _finish_backward(self, task: int) -> None:
-        # Poll, yielding the CPU to any other runnable thread between polls, for at most
-        # _FINISH_SECONDS; past that, the progress thread completes the rest as usual. An
-        # operation that completes on a thread of its own (its Pending has block()) is slept
-        # on instead: polling would only take the CPU from that thread.
-        give_up = time.monotonic() + _FINISH_SECONDS
-        for handle in self._backward_handles.pop(task, ()):
-            if not poll(handle.is_completed, give_up, getattr(handle._pending, "block", None), _yield_cpu):
-                return
+        self.engine.finish(self._backward_handles.pop(task, ()), _FINISH_SECONDS)
 
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")
@@ -195,7 +175,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         tensor = _single(tensors, "reduce")
-        self.engine._check_rank(opts.rootRank if opts is not None else 0, "dst")
+        self.engine.checks.rank_arg(opts.rootRank if opts is not None else 0, "dst")
         return Work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor])
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -294,154 +274,3 @@ def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:
 
 def _reduce_op(opts) -> Op:
     return torch_op(opts.reduceOp if opts is not None else tdist.ReduceOp.SUM)
-
-
-# ---------------------------------------------------------------------------- creation
-_requested_backend: Optional[str] = None
-_current: Optional[SmddpProcessGroup] = None
-_world_topology: Optional[Topology] = None
-
-
-#: torch destroys the world group through its shutdown() (see _compat): then ``_current``
-#: alone says whether it is live, and current() costs no call into torch (it is on the path
-#: of every smdistributed-API call).
-_DESTROY_CALLS_SHUTDOWN = _compat.DESTROY_CALLS_SHUTDOWN
-
-
-def current() -> Optional[SmddpProcessGroup]:
-    """The active smddp group, if torch's default group is still it."""
-    if _current is None or not (_DESTROY_CALLS_SHUTDOWN or tdist.is_initialized()):
-        return None
-    return _current
-
-
-def request_backend(name: Optional[str]) -> None:
-    """The backend the next group creation should use (None: ``SMDDP_BACKEND`` or automatic)."""
-    global _requested_backend
-    _requested_backend = name
-
-
-def resolve_timeout(torch_timeout: timedelta) -> timedelta:
-    """The collective timeout: ``SMDDP_TIMEOUT`` seconds when torch's is its default.
-
-    Args:
-        torch_timeout: the timeout torch passes (``init_process_group(timeout=...)``).
-
-    Returns:
-        ``torch_timeout``, or ``SMDDP_TIMEOUT`` seconds when it is set and
-        ``torch_timeout`` is torch's default.
-
-    Raises:
-        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds.
-    """
-    env = os.environ.get("SMDDP_TIMEOUT")
-    if env and torch_timeout == _compat.default_timeout():
-        try:
-            return timedelta(seconds=float(env))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"SMDDP_TIMEOUT={env!r} is not a number of seconds; set it to how long a collective may "
-                f"take (for example SMDDP_TIMEOUT=600), or unset it for torch's default"
-            ) from None
-    return torch_timeout
-
-
-def _topology(rank: int, size: int) -> Topology:
-    found = discover(os.environ)
-    if (found.rank, found.size) == (rank, size):
-        return found
-    launcher = "explicit" if found.launcher == "none" else found.launcher
-    local_size = found.local_size if found.size == size else size
-    return dataclasses.replace(
-        found, rank=rank, size=size, local_size=local_size, local_rank=rank % local_size,
-        node_rank=rank // local_size, launcher=launcher,
-    )
-
-
-def _create(options, backend_options=None) -> SmddpProcessGroup:
-    global _current, _world_topology
-    if tdist.is_initialized():
-        return _groups.create_subgroup(options, _current, _world_topology, resolve_timeout(options.timeout))
-    # A world group torch destroyed without calling its shutdown() (older torch calls it
-    # only on NCCL's groups): close it before its successor opens, or its threads and
-    # shared memory would stay until exit, one set per init_process_group().
-    destroy()
-    _tear_down_at_exit()
-    rank, size = options.group_rank, options.group_size
-    topology = _topology(rank, size)
-    timeout = resolve_timeout(options.timeout)
-    # smddp's init_process_group has chosen the backend already (and probed the machine for it).
-    name = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
-    communicators = comm.create_communicators(name, Context(topology, timeout, options.store))
-    group = SmddpProcessGroup(Engine(communicators, timeout.total_seconds(), options.store), rank, size)
-    group_name = getattr(options, "group_id", "") or ""
-    group._set_group_name(group_name)
-    # torch's functional collectives (FSDP2 state dicts, DTensor) need a native backend per device.
-    group.native_backends = _native.attach(group, options.store, rank, size, timeout, group_name)
-    _current, _world_topology = group, topology
-    return group
-
-
-def register() -> None:
-    """Register the ``"smddp"`` backend with ``torch.distributed`` (idempotent).
-
-    Also teaches torch's ``env://``, ``tcp://`` and ``file://`` rendezvous to read the job
-    from the launcher (:mod:`smddp.torch._rendezvous`): under ``mpirun`` or ``srun`` no
-    ``MASTER_ADDR``/``MASTER_PORT`` is needed, and a plain ``python train.py`` is a world of one.
-    """
-    _compat.register_backend(BACKEND_NAME, _create, ("cpu", "cuda", "xpu"))
-    _rendezvous.install()
-
-
-_exit_hook_registered = False
-
-
-def _tear_down_at_exit() -> None:
-    """Destroy the group when the interpreter exits, before it stops its threads.
-
-    Registered before the engine exists, so it runs after the engine's own exit handling
-    (``atexit`` runs handlers last-in first-out). Left to interpreter shutdown, gloo's and
-    the engine's threads can wake while Python is finalizing and abort the process
-    ("terminate called without an active exception") after the script has succeeded.
-    """
-    global _exit_hook_registered
-    if _exit_hook_registered:
-        return
-    _exit_hook_registered = True
-
-    def tear_down() -> None:
-        if current() is None:
-            return
-        try:
-            destroy()
-            tdist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
-            pass
-
-    atexit.register(tear_down)
-
-
-def destroy() -> None:
-    """Close the engine and forget the group (torch's own group is destroyed by the caller)."""
-    global _current
-    for group in _groups.forget_all():
-        group.engine.close()
-        _shut_down_native(group)
-    if _current is not None:
-        _current.engine.close()
-        _shut_down_native(_current)
-        _current = None
-
-
-def _shut_down_native(group: SmddpProcessGroup) -> None:
-    """Stop the torch-native backends' threads now.
-
-    A script may keep the group object alive (``pg = dist.group.WORLD``) past
-    ``destroy_process_group()``; its gloo backend would then be torn down during interpreter
-    shutdown, where its threads abort the process after the script has succeeded.
-    """
-    for device in list(group.native_backends):
-        try:
-            group._get_backend(torch.device(device)).shutdown()
-        except Exception:  # noqa: BLE001 - a backend without shutdown, or already gone
-            pass

@@ -12,6 +12,6 @@ The backend (mpi, gloo, nccl, ...) is chosen as for
 :func:`smddp.torch.distributed.init_process_group`; ``SMDDP_BACKEND`` overrides it.
 """
 
-from smddp.torch.process_group import register as _register
+from smddp.torch.groups import register as _register
 
 _register()

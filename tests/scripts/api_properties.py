@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import smddp
 import smddp.torch.distributed as dist
-from smddp.torch import process_group
+from smddp.torch import groups as smddp_groups
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -92,7 +92,7 @@ def laid_out(t: torch.Tensor, layout: str, requires_grad: bool) -> torch.Tensor:
 
 def supported() -> Set[torch.dtype]:
     """The dtypes the running backend accepts (its communicator's documented ``dtypes``)."""
-    return set(process_group.current().engine.primary.dtypes)
+    return set(smddp_groups.current().engine.primary.dtypes)
 
 
 def reduce_reference(stack: torch.Tensor, how: str, dtype: torch.dtype) -> torch.Tensor:

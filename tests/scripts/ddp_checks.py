@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 import smddp.torch.distributed as dist  # noqa: E402
 import smddp.torch.parallel  # noqa: E402
 from smddp._topology import discover  # noqa: E402
-from smddp.torch import process_group as smddp_pg  # noqa: E402
+from smddp.torch import groups  # noqa: E402
 from smddp.torch.parallel.distributed import DistributedDataParallel as DDP  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -66,7 +66,7 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def collectives() -> int:
-    return smddp_pg.current().engine.seq
+    return groups.current().engine.seq
 
 
 # --------------------------------------------------------------------------- checks

@@ -4,7 +4,7 @@ Run by tests/test_ownership.py under mpirun -np 2/3 (and torchrun with gloo). Th
 ``torch.distributed`` on the "smddp" backend, each case starts asynchronous operations,
 drops (or deletes and collects) their Work, runs more collectives, then checks every
 tensor against the answer computed locally from seeded per-rank inputs. Prints
-``CHECK <rank> <name>`` per passed check, ``FAIL <rank> <name> <why>`` per failure, then
+``CHECK <rank> <name>`` per passed check, ``FAILED <rank> <name> <why>`` per failure, then
 ``PASSED <rank> <count>`` or ``FAILURES <rank> <count>``. With ``exit-in-flight``, the
 script ends with operations in flight (their handles dropped) and must still exit 0.
 """
@@ -16,29 +16,24 @@ import sys
 
 import torch
 import torch.distributed as tdist
+from checklist import Checklist
 
 import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.base import Op
-from smddp.torch import process_group
+from smddp.torch import groups
 
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
-checks = failures = 0
+checklist = Checklist(rank)
 # 5 elements take MPI_Iallreduce; 300,000 (1.2 MB in float32) take the ring.
 SIZES = [5, 300_000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    global checks, failures
-    if torch.equal(got, want.to(got.dtype)):
-        checks += 1
-        print(f"CHECK {rank} {name}", flush=True)
-    else:
-        failures += 1
-        diff = (got.double() - want.double()).abs().max().item()
-        print(f"FAIL {rank} {name} max abs diff {diff}", flush=True)
+    same = torch.equal(got, want.to(got.dtype))
+    checklist.check(name, same, "" if same else f"max abs diff {(got.double() - want.double()).abs().max().item()}")
 
 
 def value(r: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -156,7 +151,7 @@ def isend_without_wait() -> None:
 
 def raising_callback() -> None:
     """A done-callback that raises fails its operation only; the next collectives run."""
-    engine = process_group.current().engine
+    engine = groups.current().engine
     t = torch.full((4,), float(rank))
     handle = engine.all_reduce(t, Op.SUM, async_op=True)
     handle.add_done_callback(lambda _h: 1 // 0)
@@ -192,9 +187,6 @@ reduce_scatter_dropped()
 work_collected_in_flight()
 isend_without_wait()
 raising_callback()
-if failures:
-    print(f"FAILURES {rank} {failures}", flush=True)
-else:
-    print(f"PASSED {rank} {checks}", flush=True)
+status = checklist.summary()
 dist.destroy_process_group()
-sys.exit(1 if failures else 0)
+sys.exit(status)

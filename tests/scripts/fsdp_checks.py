@@ -22,13 +22,14 @@ import torch.distributed as tdist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from checklist import Checklist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import smddp
 import smddp.torch.distributed as dist
-from smddp.torch import process_group
+from smddp.torch import groups
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames; the old names are tested
 dist.init_process_group()
@@ -36,19 +37,10 @@ rank, size = tdist.get_rank(), tdist.get_world_size()
 if torch.cuda.is_available():
     torch.cuda.set_device(dist.get_local_rank() % torch.cuda.device_count())
 pg = tdist.distributed_c10d._get_default_group()
-engine = process_group.current().engine
+engine = groups.current().engine
 R = tdist.ReduceOp
-checks, failures = 0, 0
-
-
-def check(name: str, ok: bool, why: str = "") -> None:
-    global checks, failures
-    if ok:
-        checks += 1
-        print(f"CHECK {rank} {name}", flush=True)
-    else:
-        failures += 1
-        print(f"FAILED {rank} {name} {why}", flush=True)
+checklist = Checklist(rank)
+check = checklist.check
 
 
 def same(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-6, atol: float = 1e-6) -> None:
@@ -401,11 +393,8 @@ if "train" in parts:
 if "cuda" in parts:
     cuda_training()
 
-if failures:
-    print(f"FAILURES {rank} {failures}", flush=True)
-else:
-    print(f"PASSED {rank} {checks}", flush=True)
+status = checklist.summary()
 dist.destroy_process_group()
 # ``pg`` and ``engine`` stay referenced to the end on purpose: a group object alive while the
-# interpreter finalizes must not abort the process (issue 13).
-sys.exit(1 if failures else 0)
+# interpreter finalizes must not abort the process.
+sys.exit(status)

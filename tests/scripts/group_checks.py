@@ -24,28 +24,20 @@ import warnings
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
+from checklist import Checklist
 from torch import nn
 
 import smddp
 import smddp.torch.distributed as dist
-from smddp.torch import process_group
+from smddp.torch import groups as smddp_groups
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
 R = tdist.ReduceOp
-checks, failures = 0, 0
-
-
-def check(name: str, ok: bool, why: str = "") -> None:
-    global checks, failures
-    if ok:
-        checks += 1
-        print(f"CHECK {rank} {name}", flush=True)
-    else:
-        failures += 1
-        print(f"FAILED {rank} {name} {why}", flush=True)
+checklist = Checklist(rank)
+check = checklist.check
 
 
 def same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -175,7 +167,7 @@ def interleaved(group, members, label: str) -> None:
 
 
 def groups() -> None:
-    engine = process_group.current().engine
+    engine = smddp_groups.current().engine
     full = tdist.new_group(list(range(size)))
     group_collectives(full, list(range(size)), "new_group(all ranks)")
     check("the full group has its own engine", full.engine is not engine and full.engine.seq > 0
@@ -318,9 +310,7 @@ def stall() -> None:
 if __name__ == "__main__":
     for mode in sys.argv[1:]:
         {"groups": groups, "hsdp": hsdp, "debug": debug, "stall": stall}[mode]()
-    if failures:
-        print(f"FAILURES {rank} {failures}", flush=True)
+    if checklist.summary():
         sys.exit(1)
-    print(f"PASSED {rank} {checks}", flush=True)
     if not {"debug", "stall"} & set(sys.argv[1:]):
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ import torch
 import smddp.torch.distributed as dist
 from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
-from smddp.torch import process_group
+from smddp.torch import groups
 
 DEADLINE = 60.0
 
@@ -39,7 +39,7 @@ def main() -> None:
     dist.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
     assert size == 2, size
-    engine = process_group.current().engine
+    engine = groups.current().engine
     mine = inputs(rank)
     want = [sum(inputs(r)[i] for r in range(size)) for i in range(2)]
     if rank == 0:

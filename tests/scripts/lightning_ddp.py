@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
-from smddp.torch import process_group
+from smddp.torch import groups
 
 try:
     import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 - smddprun's alias
@@ -88,7 +88,7 @@ with tempfile.TemporaryDirectory() as root:
 report = {
     "world": dist.get_world_size(), "backend": dist.get_backend(), "global_rank": trainer.global_rank,
     "environment": type(trainer.strategy.cluster_environment).__name__, "initial": initial, "final": digest(model),
-    "plane": process_group.current().engine.comms["cpu"].plane,
+    "plane": groups.current().engine.comms["cpu"].plane,
 }
 print(f"LIGHTNING {dist.get_rank()} {json.dumps(report)}", flush=True)
 dist.destroy_process_group()

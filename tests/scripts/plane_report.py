@@ -20,7 +20,7 @@ import torch.distributed as tdist
 
 import smddp.torch.distributed as dist
 import smddp.torch.torch_smddp  # noqa: F401 - registers the "smddp" backend
-from smddp.torch import process_group
+from smddp.torch import groups
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 4 << 20]  # float32 elements: 4 KB, 64 KB, 1 MB, 16 MB
 
@@ -39,7 +39,7 @@ def check(rank: int, size: int) -> None:
         t = inputs(rank, numel)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         assert torch.equal(t, torch.stack([inputs(r, numel) for r in range(size)]).amax(0)), (rank, numel)
-    comm = process_group.current().engine.comms["cpu"]
+    comm = groups.current().engine.comms["cpu"]
     print(f"PLANE {rank} {comm.name} {comm.plane}", flush=True)
     dist.destroy_process_group()
     print(f"PASSED {rank}", flush=True)

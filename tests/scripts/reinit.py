@@ -14,22 +14,22 @@ import torch.distributed as tdist
 
 import smddp.torch.distributed as v1
 import smddp.torch.torch_smddp  # noqa: F401
-from smddp.torch import process_group
+from smddp.torch import groups, process_group
 
 old_torch = "--old-torch" in sys.argv
 # Whether destroy_process_group() itself must close the engine: on torch >= 2.7 (it calls the
 # group's shutdown()), not emulating an older one.
-closes_at_destroy = process_group._DESTROY_CALLS_SHUTDOWN and not old_torch
+closes_at_destroy = groups._DESTROY_CALLS_SHUTDOWN and not old_torch
 if old_torch:
     process_group.SmddpProcessGroup.shutdown = lambda self: None
-    process_group._DESTROY_CALLS_SHUTDOWN = False
+    groups._DESTROY_CALLS_SHUTDOWN = False
 
 baseline = threading.active_count()
 engines = []
 for cycle in range(3):
     tdist.init_process_group(backend="smddp")
     rank, size = tdist.get_rank(), tdist.get_world_size()
-    engine = process_group.current().engine
+    engine = groups.current().engine
     if engines:  # the previous group is closed by now, whichever way
         assert engines[-1]._closed, f"cycle {cycle}: the previous engine is still open"
     engines.append(engine)

@@ -25,8 +25,8 @@ if "--init" in sys.argv:
     t = torch.tensor([float(int(os.environ["RANK"]) + 1)])
     tdist.all_reduce(t)
     report["torch_rank"], report["torch_size"], report["sum"] = tdist.get_rank(), tdist.get_world_size(), t.item()
-    from smddp.torch import process_group
+    from smddp.torch import groups
 
-    report["plane"] = process_group.current().engine.comms["cpu"].plane
+    report["plane"] = groups.current().engine.comms["cpu"].plane
     tdist.destroy_process_group()
 print(f"RUNTIME {os.environ.get('RANK')} {json.dumps(report)}", flush=True)

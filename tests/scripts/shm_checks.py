@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 import smddp.torch.distributed as dist  # noqa: E402
 from smddp.comm.algorithms import derived  # noqa: E402
 from smddp.comm.base import Op  # noqa: E402
-from smddp.torch import process_group  # noqa: E402
+from smddp.torch import groups  # noqa: E402
 
 MODE, PLANE = sys.argv[1], sys.argv[2]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -44,7 +44,7 @@ if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK") == os.environ.get("OMPI_COMM_WORL
     os.environ["SMDDP_SHM_NATIVE"] = "0"
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()
-engine = process_group.current().engine
+engine = groups.current().engine
 comm = engine.comms["cpu"]
 DTYPES = [d for d in DTYPES if d in comm.dtypes]  # gloo has no int16
 digest = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""Collectives built from the engine's five: reduce-scatter, reduce, gather, scatter, lists, p2p.
+"""Collectives built from the engine's six: reduce-scatter, reduce, gather, scatter, lists, p2p.
 
 torch's ``ProcessGroup`` has more methods than a communicator implements. Each one here is
 one engine collective (numbered, checked and timed like the others) followed, where needed,
@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import DONE, HALF, Op, Pending, average, combine, flat, then
+from smddp.comm.base import HALF, Op, Pending, average, combine, flat, then
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine.checks import check_writable
 from smddp.errors import InvalidArgumentError, InvalidTypeError
@@ -33,45 +33,11 @@ from smddp.errors import InvalidArgumentError, InvalidTypeError
 
 def _check(engine: Engine, *fields):
     """The ``SMDDP_DEBUG`` description of a call, or None (no cost) when the checks are off."""
-    return fields if getattr(engine, "_debug", None) is not None else None
+    return fields if engine.debugging else None
 
 
 def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=None) -> Handle:
-    return engine._start(op_name, start, True, check)
-
-
-def holding(pending: Pending, *held) -> Pending:
-    """``pending``, keeping ``held`` alive until it completes (:class:`Holding`); an operation
-    that completed as it started (:data:`DONE`) needs nothing kept and stays :data:`DONE`."""
-    return pending if pending is DONE else Holding(pending, *held)
-
-
-class Holding(Pending):
-    """``pending``, keeping ``held`` alive until it completes.
-
-    Libraries read and write buffers by address while an operation is in flight; a buffer
-    that only a start function referenced would otherwise be freed under them.
-    """
-
-    __slots__ = ("_pending", "_held")
-
-    def __init__(self, pending: Pending, *held):
-        self._pending, self._held = pending, held
-
-    def test(self) -> bool:
-        if self._pending.test():
-            self._held = ()
-            return True
-        return False
-
-    def stream_aware(self) -> bool:
-        return self._pending.stream_aware()
-
-    def waited(self) -> None:
-        self._pending.waited()
-
-    def queue_after(self, action) -> bool:
-        return self._pending.queue_after(action)
+    return engine.run(op_name, start, True, check)
 
 
 def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
@@ -94,14 +60,14 @@ def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
 def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op) -> Handle:
     """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
 
-    The communicator's own ``reduce_scatter`` where it has one (MPI, gloo, NCCL); otherwise
+    The communicator's own ``reduce_scatter`` where it has one (MPI, NCCL, the shm plane); otherwise
     ``all_to_all_single`` and a local reduction in rank order.
 
     Raises:
         InvalidArgumentError: the sizes do not match.
         InvalidTypeError: different dtypes or devices, or a dtype the backend refuses.
     """
-    comm = engine._comm_for(output, input)
+    comm = engine.checks.comm_for(output, input)
     n = output.numel()
     if input.numel() != engine.size * n:
         raise InvalidArgumentError(
@@ -110,11 +76,10 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         )
     src = flat(input)
     if comm.native_reduce_scatter:
-        buf, after = engine._inplace(output, "reduce_scatter_tensor", "output")
+        buf, after = engine.checks.buffer(output, "reduce_scatter_tensor", "output")
 
         def native(seq: int) -> Pending:
-            pending = holding(comm.reduce_scatter(buf.flatten(), src, op, seq), src, buf)
-            return then(pending, after)
+            return then(comm.reduce_scatter(buf.flatten(), src, op, seq), after, src, buf)
 
         return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
     if not output.is_contiguous():
@@ -124,7 +89,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
 
     def start(seq: int) -> Pending:
         pending = comm.all_to_all_single(rows.view(-1), src, counts, counts, seq)
-        return then(holding(pending, src, rows), lambda: reduce_rows(rows, op, output))
+        return then(pending, lambda: reduce_rows(rows, op, output), src, rows)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
     return _start(engine, "reduce_scatter_tensor", start, check)
@@ -137,8 +102,8 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
         InvalidArgumentError: not one input per rank, or sizes that differ from ``output``'s.
     """
     inputs = _tensor_list(input_list, "input_list")
-    engine._check_per_rank(inputs, output, "reduce_scatter", "input_list", "output")
-    engine._comm_for(output, *inputs)
+    engine.checks.per_rank(inputs, output, "reduce_scatter", "input_list", "output")
+    engine.checks.comm_for(output, *inputs)
     return reduce_scatter_tensor(engine, output, torch.cat([flat(t) for t in inputs]), op)
 
 
@@ -157,14 +122,14 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
     Raises:
         InvalidArgumentError: ``dst`` is not a rank, or ``outputs`` does not fit.
     """
-    engine._check_rank(dst, "dst")
+    engine.checks.rank_arg(dst, "dst")
     n = input.numel()
     root = engine.rank == dst
     outs = _tensor_list(outputs, "gather_list") if root else []
     if root:
-        engine._check_per_rank(outs, input, "gather", "gather_list", "input")
+        engine.checks.per_rank(outs, input, "gather", "gather_list", "input")
         _check_outputs(outs, "gather", "gather_list")
-    comm = engine._comm_for(input, *outs)
+    comm = engine.checks.comm_for(input, *outs)
     src = flat(input)
     buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
     send = [n if r == dst else 0 for r in range(engine.size)]
@@ -175,7 +140,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
             out.detach().copy_(buf[r * n:(r + 1) * n].view(out.shape))
 
     def start(seq: int) -> Pending:
-        return then(holding(comm.all_to_all_single(buf, src, receive, send, seq), src, buf), unpack)
+        return then(comm.all_to_all_single(buf, src, receive, send, seq), unpack, src, buf)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
     return _start(engine, "gather", start, check)
@@ -190,21 +155,20 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     Raises:
         InvalidArgumentError: ``src`` is not a rank, or ``inputs`` does not fit.
     """
-    engine._check_rank(src, "src")
+    engine.checks.rank_arg(src, "src")
     n = output.numel()
     root = engine.rank == src
     ins = _tensor_list(inputs, "scatter_list") if root else []
     if root:
-        engine._check_per_rank(ins, output, "scatter", "scatter_list", "output")
-    comm = engine._comm_for(output, *ins)
+        engine.checks.per_rank(ins, output, "scatter", "scatter_list", "output")
+    comm = engine.checks.comm_for(output, *ins)
     packed = torch.cat([flat(t) for t in ins]) if root else output.new_empty(0)
-    buf, after = engine._inplace(output, "scatter", "output")
+    buf, after = engine.checks.buffer(output, "scatter", "output")
     send = [n] * engine.size if root else [0] * engine.size
     receive = [n if r == src else 0 for r in range(engine.size)]
 
     def start(seq: int) -> Pending:
-        pending = holding(comm.all_to_all_single(buf.flatten(), packed, receive, send, seq), packed, buf)
-        return then(pending, after)
+        return then(comm.all_to_all_single(buf.flatten(), packed, receive, send, seq), after, packed, buf)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "scatter", start, check)
@@ -223,10 +187,10 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
             raise InvalidArgumentError(
                 f"all_to_all: {name} has {len(tensors)} tensors; it needs one per rank ({engine.size})"
             )
-    comm = engine._comm_for(*outs, *ins)
+    comm = engine.checks.comm_for(*outs, *ins)
     send = [t.numel() for t in ins]
     receive = [t.numel() for t in outs]
-    engine._check_self_split(receive, send, "all_to_all")
+    engine.checks.self_split(receive, send, "all_to_all")
     _check_outputs(outs, "all_to_all", "output_tensor_list")
     packed = torch.cat([flat(t) for t in ins])
     buf = packed.new_empty(sum(receive))
@@ -238,7 +202,7 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
             offset += count
 
     def start(seq: int) -> Pending:
-        return then(holding(comm.all_to_all_single(buf, packed, receive, send, seq), packed, buf), unpack)
+        return then(comm.all_to_all_single(buf, packed, receive, send, seq), unpack, packed, buf)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
     return _start(engine, "all_to_all", start, check)
@@ -322,10 +286,9 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
         BackendUnavailableError: the tensor's communicator has no point-to-point.
     """
     _check_peer(engine, dst, "dst", tag)
-    engine._check_usable()
-    comm = engine._comm_for(tensor)
+    comm = engine.checks.comm_for(tensor)
     src = tensor.detach().contiguous()
-    return _p2p(engine, f"send to rank {dst} (tag {tag})", holding(comm.send(src, dst, tag), src))
+    return engine.message(f"send to rank {dst} (tag {tag})", lambda: then(comm.send(src, dst, tag), None, src))
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
@@ -342,24 +305,21 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
         _check_peer(engine, src, "src", tag)
     elif isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
         raise InvalidArgumentError(f"tag must be a non-negative int, got {tag!r}")
-    engine._check_usable()
-    comm = engine._comm_for(tensor)
-    buf, after = engine._inplace(tensor, "recv")
-    pending = comm.recv(buf, src, tag)
-    held = holding(pending, buf)
+    comm = engine.checks.comm_for(tensor)
+    buf, after = engine.checks.buffer(tensor, "recv")
+    started: List[Pending] = []  # the library's own Pending: it knows the sender
+
+    def start() -> Pending:
+        started.append(comm.recv(buf, src, tag))
+        return then(started[0], after, buf)
+
     peer = "any rank" if src is None else f"rank {src}"
-    handle = _p2p(engine, f"recv from {peer} (tag {tag})", then(held, after))
-    return handle, lambda: pending.source
-
-
-def _p2p(engine: Engine, op_name: str, pending: Pending) -> Handle:
-    # A message involves two ranks: it is named by the latest collective, never numbered, and
-    # completes on its own, not in the collectives' issue order.
-    return engine._track(Handle(engine, engine.seq, op_name, pending, ordered=False))
+    handle = engine.message(f"recv from {peer} (tag {tag})", start)
+    return handle, lambda: started[0].source
 
 
 def _check_peer(engine: Engine, peer, what: str, tag) -> None:
-    engine._check_rank(peer, what)
+    engine.checks.rank_arg(peer, what)
     if peer == engine.rank:
         raise InvalidArgumentError(f"{what}={peer} is this rank: a rank cannot send to or receive from itself")
     if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:

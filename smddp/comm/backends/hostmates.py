@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Sequence
 
+from smddp import knobs
 from smddp.errors import CollectiveTimeout
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -41,7 +42,7 @@ def host_identity(shm_dir: str, env=os.environ) -> str:
         shm = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         shm = "-"
-    return f"{env.get('SMDDP_HOST_ID') or socket.gethostname()}|{boot}|{shm}"
+    return f"{knobs.value('SMDDP_HOST_ID', env) or socket.gethostname()}|{boot}|{shm}"
 
 
 @dataclass

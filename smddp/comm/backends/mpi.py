@@ -155,6 +155,7 @@ class MPICommunicator(Communicator):
 
     name = "mpi"
     device_types = ("cpu",)
+    progresses_in_caller = True
     dtypes = frozenset(_MPI_TYPES) | {torch.bfloat16, torch.float16}
 
     def __init__(self, ctx: Context, base=None):
@@ -194,7 +195,7 @@ class MPICommunicator(Communicator):
 
         Args:
             ranks: the members' ranks in ``MPI_COMM_WORLD``, in group-rank order.
-            ctx: the group's context (its topology: :func:`smddp.comm.groups.group_topology`).
+            ctx: the group's context (its topology: :func:`smddp.comm.subgroups.group_topology`).
         """
         world = MPI.COMM_WORLD
         group = world.Get_group().Incl(list(ranks))

@@ -36,12 +36,12 @@ The default on CUDA machines. How it runs:
 from __future__ import annotations
 
 import math
-import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from smddp import knobs
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.nccl_cupy import NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops
 from smddp.comm.backends.nccl_uid import next_generation, share_unique_id
@@ -111,7 +111,7 @@ def stream_mode(env=None) -> str:
     Raises:
         InvalidArgumentError: another value.
     """
-    value = (os.environ if env is None else env).get(STREAM_ENV, "current").strip().lower() or "current"
+    value = knobs.value(STREAM_ENV, env).lower()
     if value not in ("current", "side"):
         raise InvalidArgumentError(f"{STREAM_ENV}={value!r}: use 'current' (default) or 'side'")
     return value
@@ -134,9 +134,6 @@ class StreamOrdered(Pending):
         # No stream is ordered here: the engine's progress thread tests too, and ordering its
         # stream would serialise the caller's work behind the collective. Waits order.
         self._owner.check()
-        return True
-
-    def stream_aware(self) -> bool:
         return True
 
     def waited(self) -> None:

@@ -35,6 +35,7 @@ class _Composed(Communicator):
     """
 
     plane: str
+    progresses_in_caller = True  # the intra-host step is the ranks' own memory copies
 
     def __init__(self, ctx: Context, shm: Plane, flat: Communicator, debug: bool = False):
         super().__init__(ctx)

@@ -75,9 +75,6 @@ class WorkPending(Pending):
             self._after()
         return True
 
-    def stream_aware(self) -> bool:
-        return self._stream_ordered
-
     def waited(self) -> None:
         if self._ordering is not None:
             self._ordering.wait()

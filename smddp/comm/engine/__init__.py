@@ -33,6 +33,7 @@ operation.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -49,11 +50,13 @@ from smddp.errors import CollectiveError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Engine", "Handle"]
 
+_yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
 # How errors name an all-reduce started inside autograd's backward (DDP's gradient buckets).
 _BACKWARD_ALL_REDUCE = "all_reduce (during backward: DDP gradients)"
 
 
-class Engine(Health, Checks):
+class Engine(Health):
     """The collectives of one job over one communicator per device type.
 
     Args:
@@ -85,7 +88,9 @@ class Engine(Health, Checks):
         self._abandoned: List[Pending] = []
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
-        self._cpu_comm = self.comms.get("cpu")  # tensor.is_cpu is 10x cheaper than tensor.device.type
+        #: The argument checks every collective makes before anything is sent.
+        self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
+        self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
         #: SMDDP_DEBUG=1: compares every collective across ranks first; None (no cost) when off.
         self._debug = _debug.Checker(self, self.comms.get("cpu", self.primary)) if _debug.enabled() else None
         self._init_health(store)
@@ -96,14 +101,30 @@ class Engine(Health, Checks):
         """Name of the primary communicator's backend."""
         return self.primary.name
 
+    @property
+    def debugging(self) -> bool:
+        """True under ``SMDDP_DEBUG``: :meth:`run` then compares each collective across ranks first."""
+        return self._debug is not None
+
     # ------------------------------------------------------------------ starting and waiting
-    def _start(
-        self, op_name: str, start: Callable[..., Pending], async_op: bool, check=None, args: tuple = ()
+    def run(
+        self, op_name: str, start: Callable[..., Pending], async_op: bool = True, check=None, args: tuple = ()
     ) -> Optional[Handle]:
         """Number and start a collective (``start(*args, seq)``); wait for it here unless ``async_op``.
 
-        ``check`` (built only under ``SMDDP_DEBUG``) describes the call for
-        :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks first.
+        The one way a collective runs: the engine's own and those built on a communicator's
+        (:mod:`smddp.comm.algorithms.derived`) are all numbered, ordered, timed and owned
+        here. Check the arguments (:attr:`checks`) before calling: nothing may raise an
+        argument error once ``start`` has sent anything.
+
+        Args:
+            op_name: the collective's name in errors and stall reports.
+            start: starts the operation on a communicator; ``seq`` is its sequence number.
+            async_op: return a :class:`Handle` at once instead of waiting here.
+            check: under ``SMDDP_DEBUG`` (:attr:`debugging`), the call described for
+                :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks
+                first; None otherwise.
+            args: passed to ``start`` before ``seq``.
 
         Returns:
             A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.
@@ -178,35 +199,36 @@ class Engine(Health, Checks):
         ``backward``: the call comes from inside autograd's backward (DDP's gradient buckets);
         errors then name the uneven-batches case.
         """
-        # The hot path (a contiguous CPU tensor that needs no grad) inlines _comm_for and
-        # _inplace: microseconds count at small sizes.
+        # The hot path inlines checks.comm_for's common case (a CPU tensor of a dtype the CPU
+        # communicator takes): that call costs about 250 ns, some 4% of a 4 KB all-reduce on
+        # the shared-memory plane (docs/performance.md).
         comm = self._cpu_comm if tensor.is_cpu else None
         if comm is None or tensor.dtype not in comm.dtypes:
-            comm = self._comm_for(tensor)
+            comm = self.checks.comm_for(tensor)
         check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
         name = _BACKWARD_ALL_REDUCE if backward else "all_reduce"
-        if tensor.is_contiguous() and not tensor.requires_grad:
-            return self._start(name, comm.all_reduce, async_op, check, (tensor, op))
-        buf, after = self._inplace(tensor, "all_reduce")
+        if tensor.is_contiguous() and not tensor.requires_grad:  # checks.buffer's common case, inline
+            return self.run(name, comm.all_reduce, async_op, check, (tensor, op))
+        buf, after = self.checks.buffer(tensor, "all_reduce")
 
         def start(seq: int) -> Pending:
             pending = comm.all_reduce(buf, op, seq)
             return then(pending, after)
 
-        return self._start(name, start, async_op, check)
+        return self.run(name, start, async_op, check)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Handle]:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-        comm = self._comm_for(tensor)
-        self._check_rank(src, "src")
-        buf, after = self._inplace(tensor, "broadcast")
+        comm = self.checks.comm_for(tensor)
+        self.checks.rank_arg(src, "src")
+        buf, after = self.checks.buffer(tensor, "broadcast")
 
         def start(seq: int) -> Pending:
             pending = comm.broadcast(buf, src, seq)
             return then(pending, after)
 
         check = None if self._debug is None else ("broadcast", None, tensor, src)
-        return self._start("broadcast", start, async_op, check)
+        return self.run("broadcast", start, async_op, check)
 
     def all_gather(
         self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
@@ -214,8 +236,8 @@ class Engine(Health, Checks):
         """Gather every rank's ``tensor`` into ``tensor_list`` (rank order)."""
         if not isinstance(tensor_list, (list, tuple)):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
-        comm = self._comm_for(tensor, *tensor_list)
-        self._check_per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
+        comm = self.checks.comm_for(tensor, *tensor_list)
+        self.checks.per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
         for i, out in enumerate(tensor_list):
             if not out.is_contiguous():
                 check_writable(out, "all_gather", f"tensor_list[{i}]")
@@ -228,7 +250,7 @@ class Engine(Health, Checks):
             for out, part in zip(tensor_list, gathered.chunk(self.size)):
                 (out.detach() if out.requires_grad else out).copy_(part if out.dim() == 1 else part.view_as(out))
 
-        return self._start(
+        return self.run(
             "all_gather", lambda seq: then(comm.all_gather(gathered, src, seq), scatter_back),
             async_op, None if self._debug is None else ("all_gather", None, tensor),
         )
@@ -237,20 +259,20 @@ class Engine(Health, Checks):
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Optional[Handle]:
         """Gather every rank's ``input`` into ``output`` (``size * input.numel()`` elements)."""
-        comm = self._comm_for(output, input)
+        comm = self.checks.comm_for(output, input)
         if output.numel() != self.size * input.numel():
             raise InvalidArgumentError(
                 f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
                 f"{self.size} x {input.numel()}"
             )
-        buf, after = self._inplace(output, "all_gather_into_tensor", "output")
+        buf, after = self.checks.buffer(output, "all_gather_into_tensor", "output")
         out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:
             return then(comm.all_gather(out, src, seq), after)
 
         check = None if self._debug is None else ("all_gather", None, input)
-        return self._start("all_gather_into_tensor", start, async_op, check)
+        return self.run("all_gather_into_tensor", start, async_op, check)
 
     def all_to_all_single(
         self,
@@ -261,11 +283,11 @@ class Engine(Health, Checks):
         async_op: bool = False,
     ) -> Optional[Handle]:
         """Scatter slices of ``input`` (along dim 0) to all ranks, gather theirs into ``output``."""
-        comm = self._comm_for(output, input)
-        out_counts = self._split_counts(output, output_split_sizes, "output")
-        in_counts = self._split_counts(input, input_split_sizes, "input")
-        self._check_self_split(out_counts, in_counts, "all_to_all_single")
-        buf, after = self._inplace(output, "all_to_all_single", "output")
+        comm = self.checks.comm_for(output, input)
+        out_counts = self.checks.split_counts(output, output_split_sizes, "output")
+        in_counts = self.checks.split_counts(input, input_split_sizes, "input")
+        self.checks.self_split(out_counts, in_counts, "all_to_all_single")
+        buf, after = self.checks.buffer(output, "all_to_all_single", "output")
         out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 
         def start(seq: int) -> Pending:
@@ -273,11 +295,20 @@ class Engine(Health, Checks):
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))
-        return self._start("all_to_all_single", start, async_op, check)
+        return self.run("all_to_all_single", start, async_op, check)
 
     def barrier(self, async_op: bool = False) -> Optional[Handle]:
         """Complete once every rank has entered the barrier."""
-        return self._start("barrier", self.primary.barrier, async_op, None if self._debug is None else ("barrier",))
+        return self.run("barrier", self.primary.barrier, async_op, None if self._debug is None else ("barrier",))
+
+    def message(self, op_name: str, start: Callable[[], Pending]) -> Handle:
+        """Start a point-to-point operation (``start()``) and own it until it completes.
+
+        A message involves two ranks: it takes no sequence number (it is named by the latest
+        collective), and completes on its own, not in the collectives' issue order.
+        """
+        self._check_usable()
+        return self._track(Handle(self, self.seq, op_name, start(), ordered=False))
 
     # ------------------------------------------------------------------ progress
     def _track(self, handle: Handle) -> Handle:
@@ -336,6 +367,22 @@ class Engine(Health, Checks):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
             handle._done = True
+
+    def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
+        """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
+
+        For a caller that is about to block on them anyway (DDP's reducer at the end of
+        backward): a communicator that moves data only while a thread calls into it
+        (:attr:`~smddp.comm.base.Communicator.progresses_in_caller`) otherwise waits for the
+        progress thread's wake-ups, whole scheduler slices on a busy CPU. The thread yields
+        the CPU between tests; an operation that completes on a thread of its own is slept
+        on instead. Past ``seconds`` the progress thread completes the rest as usual.
+        """
+        give_up = time.monotonic() + seconds
+        for handle in handles:
+            if not poll(handle.is_completed, give_up, getattr(handle._pending, "block", None), _yield_cpu):
+                return False
+        return True
 
     def _call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
         for callback in callbacks:

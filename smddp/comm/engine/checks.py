@@ -1,9 +1,11 @@
 """Argument checks every backend would make, done before anything is sent.
 
-:class:`Checks` is the part of :class:`~smddp.comm.engine.Engine` that picks the
-communicator for a call's tensors (device and dtype), checks ranks, per-rank lists and
-split sizes, and gives each collective a contiguous buffer: an argument error raises on
-the calling rank before any rank communicates, as torch's process groups do.
+Every :class:`~smddp.comm.engine.Engine` owns a :class:`Checks` (``engine.checks``): it
+picks the communicator for a call's tensors (device and dtype), checks ranks, per-rank
+lists and split sizes, and gives each collective a contiguous buffer. An argument error
+raises on the calling rank before any rank communicates, as torch's process groups do.
+The engine's own collectives and the ones built on them
+(:mod:`smddp.comm.algorithms.derived`) check through it.
 """
 
 from __future__ import annotations
@@ -17,18 +19,35 @@ from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidT
 
 
 class Checks:
-    """Argument checks of an engine; :class:`~smddp.comm.engine.Engine` inherits them."""
+    """The argument checks of one engine's group.
 
-    size: int
-    comms: Dict[str, Communicator]
-    backend: str
-    _cpu_comm: Optional[Communicator]
+    Args:
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        comms: device type to communicator, as the engine has them.
+        backend: the name of the group's primary backend (for errors).
+    """
 
-    def _comm_for(self, *tensors: torch.Tensor) -> Communicator:
+    __slots__ = ("rank", "size", "comms", "backend", "_cpu_comm")
+
+    def __init__(self, rank: int, size: int, comms: Dict[str, Communicator], backend: str):
+        self.rank, self.size, self.comms, self.backend = rank, size, comms, backend
+        self._cpu_comm: Optional[Communicator] = comms.get("cpu")
+
+    def comm_for(self, *tensors: torch.Tensor) -> Communicator:
+        """The communicator that serves ``tensors``: one device and one dtype it supports.
+
+        Raises:
+            InvalidTypeError: not a tensor, different dtypes, or a dtype the backend refuses.
+            InvalidArgumentError: tensors on different devices.
+            BackendUnavailableError: no communicator serves the tensors' device.
+        """
         tensor = tensors[0]
         if isinstance(tensor, torch.Tensor):
             # The hot paths, one tensor or CPU tensors of one dtype: a few attribute reads each
-            # (a torch.device, which the general path compares, costs a new object per read).
+            # (a torch.device, which the general path compares, costs a new object per read;
+            # tensor.is_cpu is 10x cheaper than tensor.device.type). Every collective's
+            # small-message cost includes this.
             cpu = tensor.is_cpu
             comm = self._cpu_comm if cpu else self.comms.get(tensor.device.type)
             dtype = tensor.dtype
@@ -64,7 +83,7 @@ class Checks:
         return comm
 
     @staticmethod
-    def _inplace(tensor: torch.Tensor, op: str = "collective", what: str = "tensor"):
+    def buffer(tensor: torch.Tensor, op: str = "collective", what: str = "tensor"):
         """A contiguous buffer for ``tensor`` and what to do once the operation is done.
 
         Raises:
@@ -79,7 +98,7 @@ class Checks:
         buf = target.contiguous()
         return buf, lambda: target.copy_(buf)
 
-    def _check_per_rank(
+    def per_rank(
         self, tensors: Sequence[torch.Tensor], reference: torch.Tensor, op: str, what: str, other: str
     ) -> None:
         """``tensors`` holds one tensor per rank, each with ``reference``'s number of elements."""
@@ -92,13 +111,14 @@ class Checks:
                     f"{tuple(reference.shape)}: they must have the same number of elements"
                 )
 
-    def _check_rank(self, rank, what: str) -> None:
+    def rank_arg(self, rank, what: str) -> None:
+        """``rank`` (the argument called ``what``) is an int rank of this group."""
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise InvalidTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
         if not 0 <= rank < self.size:
             raise InvalidArgumentError(f"{what}={rank} is not a rank of this job (0..{self.size - 1})")
 
-    def _check_self_split(self, out_counts: Sequence[int], in_counts: Sequence[int], op: str) -> None:
+    def self_split(self, out_counts: Sequence[int], in_counts: Sequence[int], op: str) -> None:
         """This rank receives from itself what it sends itself: a mismatch is an error here alone."""
         mine = self.rank
         if out_counts[mine] != in_counts[mine]:
@@ -108,7 +128,12 @@ class Checks:
                 f"have the same size"
             )
 
-    def _split_counts(self, tensor: torch.Tensor, splits: Optional[Sequence[int]], what: str) -> List[int]:
+    def split_counts(self, tensor: torch.Tensor, splits: Optional[Sequence[int]], what: str) -> List[int]:
+        """Elements per rank of ``tensor`` (``what``: ``"input"`` or ``"output"``), from its split sizes.
+
+        Raises:
+            InvalidArgumentError: splits that do not fit the world size or the tensor.
+        """
         rows = tensor.shape[0] if tensor.dim() > 0 else 1
         row_numel = tensor.numel() // rows if rows else 0
         if splits is None or len(splits) == 0:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from smddp.errors import InvalidGroupError, NotInitializedError
 from smddp.torch import distributed as _dist
-from smddp.torch import process_group as _pg
+from smddp.torch import groups as _groups
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -29,7 +29,7 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(_TorchDDP.__init
 
 
 def _smddp_group():
-    pg = _pg.current()
+    pg = _groups.current()
     if pg is None:
         raise NotInitializedError(
             "DistributedDataParallel needs smddp initialized: call "
