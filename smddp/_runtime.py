@@ -19,6 +19,7 @@ import json
 import socket
 from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
+from smddp import _sockets
 from smddp._topology import Topology
 from smddp._wire import bcast_json
 from smddp.errors import InvalidArgumentError
@@ -52,8 +53,12 @@ def instance_type(env: Mapping[str, str]) -> Optional[str]:
 
 
 def local_address(topo: Topology) -> str:
-    """Rank 0's address for the other ranks: loopback when the job is on one host, else the host name."""
-    return "127.0.0.1" if topo.local_size >= topo.size else socket.getfqdn()
+    """Rank 0's address for the other ranks: ``SMDDP_SOCKET_IFNAME``'s address when set, else
+    loopback when the job is on one host, else the host name."""
+    name = _sockets.interface()
+    if name:
+        return _sockets.interface_address(name)
+    return _sockets.LOOPBACK if topo.local_size >= topo.size else socket.getfqdn()
 
 
 def free_port() -> int:

@@ -69,6 +69,9 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "0: processes smddprun starts do not map smdistributed imports to smddp"),
     Knob("SMDDP_MPIRUN", None, str,
          "the mpirun smddprun runs (default: the one beside this Python, then PATH)"),
+    Knob("SMDDP_SOCKET_IFNAME", None, str,
+         "the network interface smddp's store and gloo listen on, and smddprun's mpirun uses "
+         "(default: loopback on one host; every interface across hosts)"),
     Knob("SMDDP_HOST_ID", None, str,
          "the name ranks compare to find their host-mates (default: the host name)"),
     # ---- CPU planes

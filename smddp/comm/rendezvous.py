@@ -1,13 +1,17 @@
 """The job's shared key-value store, from whatever the launcher provides.
 
 - A world of one: an in-process ``HashStore`` (no port is opened).
-- An MPI launcher: rank 0 opens a ``TCPStore`` on a free port and sends its address to
-  the others with one MPI broadcast, so ``mpirun`` needs no ``MASTER_ADDR``/``MASTER_PORT``.
-- Anything else (Slurm, SageMaker hosts, explicit ranks): a ``TCPStore`` at
+- An MPI launcher without ``MASTER_ADDR``/``MASTER_PORT``: rank 0 opens a ``TCPStore`` on a
+  free port and sends its address to the others with one MPI broadcast (JSON, never a pickle).
+- Anything else (smddprun, Slurm, SageMaker hosts, explicit ranks): a ``TCPStore`` at
   ``MASTER_ADDR:MASTER_PORT`` (torchrun's own store is reached through torch's ``env://``).
   That port is fixed for the job, so the store is made once per process and each later
   ``init_process_group`` (after a destroy) uses it under a fresh key prefix: a second server
   on the same port would fail, and old keys must not be read as new ones.
+
+The store has no authentication, so rank 0 listens only where it must (:mod:`smddp._sockets`):
+on loopback when the job is on one host, on ``SMDDP_SOCKET_IFNAME``'s address when set, and on
+every interface (torch's default) only for a job across hosts without it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from typing import Any, Dict, Tuple
 
 import torch.distributed as tdist
 
+from smddp import _runtime, _sockets
 from smddp._topology import Topology
+from smddp._wire import bcast_json
 from smddp.comm.needs import MPI_INSTALL
-from smddp.errors import BackendUnavailableError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 
 def make_store(topology: Topology, timeout: timedelta):
@@ -31,7 +37,7 @@ def make_store(topology: Topology, timeout: timedelta):
     """
     if topology.size == 1:
         return tdist.HashStore()
-    if topology.mpi:
+    if topology.mpi and not (topology.master_addr and topology.master_port):
         return _store_over_mpi(topology, timeout)
     if not topology.master_addr or not topology.master_port:
         raise BackendUnavailableError(
@@ -40,11 +46,10 @@ def make_store(topology: Topology, timeout: timedelta):
         )
     key = (topology.master_addr, topology.master_port, topology.size, topology.rank)
     store, generation = _job_stores.get(key, (None, -1))
-    if store is None:
-        store = tdist.TCPStore(
-            topology.master_addr, topology.master_port, topology.size, topology.rank == 0, timeout,
-            wait_for_workers=False,
-        )
+    if store is None and topology.rank == 0:
+        store = server_store(topology.master_addr, topology.master_port, topology, timeout)
+    elif store is None:
+        store = tdist.TCPStore(topology.master_addr, topology.master_port, topology.size, False, timeout)
     generation += 1  # every rank initializes the same number of times: the prefixes agree
     _job_stores[key] = (store, generation)
     return tdist.PrefixStore(f"smddp-init-{generation}/", store) if generation else store
@@ -52,6 +57,33 @@ def make_store(topology: Topology, timeout: timedelta):
 
 #: The job's store at its fixed address, and how many times it was handed out, per address.
 _job_stores: Dict[Tuple[Any, ...], Tuple[Any, int]] = {}
+
+
+def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
+    """Rank 0's ``TCPStore``, reached by the others at ``host:port``, listening only where it must.
+
+    Args:
+        host: the address the other ranks connect to.
+        port: the port (0: a free one).
+        topology: the job (whether it is on one host decides the address listened on).
+        timeout: the store's timeout.
+
+    Raises:
+        InvalidArgumentError: the port is taken, or ``SMDDP_SOCKET_IFNAME`` names no usable interface.
+    """
+    bind = _sockets.store_address(host, _sockets.one_host(topology))
+    if bind is None:
+        return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False)
+    sock = _sockets.listening_socket(bind, port)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here
+    try:
+        # torch would bind its server to every interface; adopting this socket keeps it on ``bind``.
+        return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _store_over_mpi(topology: Topology, timeout: timedelta):
@@ -65,16 +97,13 @@ def _store_over_mpi(topology: Topology, timeout: timedelta):
     address = None
     store = None
     if comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if topology.local_size == topology.size else _hostname())
-        store = tdist.TCPStore(host, 0, topology.size, True, timeout, wait_for_workers=False)
-        address = (host, store.port)
-    host, port = comm.bcast(address, root=0)
+        host = os.environ.get("MASTER_ADDR") or _runtime.local_address(topology)
+        store = server_store(host, 0, topology, timeout)
+        address = [host, store.port]
+    # As JSON in a buffer broadcast: mpi4py's lowercase bcast would unpickle what arrives.
+    got = bcast_json(comm, address, root=0)
+    if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], str) and type(got[1]) is int):
+        raise InvalidArgumentError(f"rank 0 sent a malformed store address over MPI: {got!r}")
     if store is None:
-        store = tdist.TCPStore(host, port, topology.size, False, timeout)
+        store = tdist.TCPStore(got[0], got[1], topology.size, False, timeout)
     return store
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.getfqdn()

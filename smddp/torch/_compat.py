@@ -61,27 +61,18 @@ def register_device_backend(pg, device_type: str, backend_type_name: str, backen
 def gloo_backend(store, rank: int, size: int, timeout, group_name: str, lazy: bool = True):
     """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
 
-    Devices follow ``GLOO_SOCKET_IFNAME`` as torch's own gloo groups do.
+    Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`).
     """
-    import os
+    from smddp.comm.backends.gloo_group import gloo_group
 
-    gloo = tdist.ProcessGroupGloo
     backend = None
     if lazy:
         try:
-            interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-            options = gloo._Options()
-            options._devices = (
-                [gloo.create_device(interface=i, lazy_init=True) for i in interfaces]
-                or [gloo.create_default_device(lazy_init=True)]
-            )
-            options._timeout = timeout
-            options._threads = 2
-            backend = gloo(store, rank, size, options)
+            backend = gloo_group(store, rank, size, timeout, lazy=True, threads=2)
         except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
             backend = None
     if backend is None:
-        backend = gloo(store, rank, size, timeout=timeout)
+        backend = gloo_group(store, rank, size, timeout)
     backend.options.group_name = group_name
     backend.options.global_ranks_in_group = list(range(size))
     return backend

@@ -3,9 +3,11 @@
 ``torch.distributed.init_process_group(backend="smddp")`` then works as scripts written for
 SageMaker expect, whatever started the processes:
 
-- ``env://`` (the default) without ``MASTER_ADDR``/``MASTER_PORT``: an MPI job meets over MPI,
-  an ``srun`` job at the address and port derived from the Slurm job, a plain
-  ``python train.py`` is a world of one. With both variables set, torch's own ``env://`` runs.
+- ``env://`` (the default): the job meets at smddp's store (:func:`smddp.comm.rendezvous.make_store`):
+  at ``MASTER_ADDR:MASTER_PORT`` when both are set, else an MPI job over MPI, an ``srun`` job
+  at the address and port derived from the Slurm job; a plain ``python train.py`` is a world
+  of one. Under torchrun (its agent's store), and when the caller passes ``rank``/``world_size``, torch's own
+  ``env://`` runs.
 - ``tcp://host:port`` and ``file:///path`` without ``?rank=..&world_size=..``: rank and world
   size come from the launcher (torch alone would refuse them). Given, they are torch's.
 
@@ -26,12 +28,14 @@ from smddp.torch import _compat
 def _env_or_launcher(original: Callable) -> Callable:
     def env_or_launcher(url, timeout=_compat.default_timeout(), **kwargs):
         topology = discover(os.environ)
-        have_master = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
         # init_process_group(rank=..., world_size=...) reaches here as "env://?rank=..&world_size=..":
         # the caller (Lightning's launcher, mp.spawn) set up the job, torch's env:// meets it.
         explicit = int(parse_qs(urlparse(url).query).get("world_size", ["1"])[-1]) > 1
         plain = not topology.distributed and "RANK" not in os.environ and not explicit
-        derived = topology.distributed and topology.launcher != "torchrun" and not have_master
+        # Every launcher but torchrun (whose agent holds the store) meets at smddp's store, which
+        # listens only where it must (loopback on one host), where torch's listens everywhere.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        derived = topology.distributed and not agent_store and not explicit
         if plain or derived:
             from smddp.comm.rendezvous import make_store
 

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as tdist
 
+from smddp.comm.backends.gloo_group import gloo_group
 from smddp.comm.base import Communicator, Context, Op, Pending, average, widened
 from smddp.errors import BackendUnavailableError
 
@@ -97,7 +98,7 @@ class GlooCommunicator(Communicator):
         store = tdist.PrefixStore("smddp/gloo", ctx.store)
         # gloo's own limit comes a little after the engine's, so that the engine's timeout,
         # which names the stalled ranks, is the one users see.
-        self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
+        self.pg = gloo_group(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         work = widened(tensor)

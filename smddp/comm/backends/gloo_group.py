@@ -1,0 +1,54 @@
+"""torch's ``ProcessGroupGloo``, its devices listening where smddp's sockets may listen.
+
+Each gloo device listens for its peers' connections. torch's default device listens on the
+address of the host's name, reachable from other hosts; smddp binds it as
+:func:`smddp._sockets.gloo_binding` says: ``GLOO_SOCKET_IFNAME`` (torch's variable) or
+``SMDDP_SOCKET_IFNAME`` when set, loopback for a job on one host. Both smddp's ``gloo``
+plane and the gloo backend every smddp group carries for torch's functional collectives
+(:mod:`smddp.torch._functional_backends`) are made here.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import List, Optional
+
+import torch.distributed as tdist
+
+from smddp import _sockets
+from smddp._topology import discover
+
+
+def devices(lazy: Optional[bool] = None) -> List:
+    """This rank's gloo devices (one per interface asked for), bound as the module says.
+
+    Args:
+        lazy: connect to the peers on first use (None: torch's default).
+    """
+    gloo = tdist.ProcessGroupGloo
+    binding = _sockets.gloo_binding(_sockets.one_host(discover(os.environ)))
+    if not binding:
+        return [gloo.create_default_device(lazy_init=lazy)]
+    return [gloo.create_device(**{kind: value}, lazy_init=lazy) for kind, value in binding]
+
+
+def gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: Optional[bool] = None,
+               threads: Optional[int] = None):
+    """A ``ProcessGroupGloo`` on ``store`` whose devices come from :func:`devices`.
+
+    Args:
+        store: the store the ranks exchange their addresses through.
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: gloo's own limit on each operation.
+        lazy: connect to the peers on first use (None: torch's default).
+        threads: gloo's worker threads (None: torch's default).
+    """
+    gloo = tdist.ProcessGroupGloo
+    options = gloo._Options()  # private in torch, stable since 1.x: the only way to pass devices
+    options._devices = devices(lazy)
+    options._timeout = timeout
+    if threads is not None:
+        options._threads = threads
+    return gloo(store, rank, size, options)
