@@ -11,7 +11,8 @@ SageMaker's runner gives it, then runs the program as ``python script.py args`` 
   ``SMDDP_ALIAS_SMDISTRIBUTED=0``;
 - an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
   instead of leaving the other ranks waiting in a collective, and a finalize that never returns;
-- when smddprun started the process itself (no mpirun), the process ends with smddprun.
+- the process ends with what started it: smddprun itself (no mpirun), or the MPI launcher's
+  daemon, which smddprun ends when it dies (:mod:`smddp._parent_watch`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _runtime, _smdistributed_finder
+from smddp import _parent_watch, _runtime, _smdistributed_finder
 from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
@@ -35,6 +36,8 @@ ALIAS_ENV = "SMDDP_ALIAS_SMDISTRIBUTED"
 #: Seconds a rank that fails before MPI started tries to start it to abort the job (_end_mpi_job).
 _JOIN_MPI_S = 5.0
 _watchdog_sink = None
+#: Variables an MPI launcher gives each rank.
+_MPI_RANK_VARIABLES = frozenset({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
 
 _USAGE = "usage: python -m smddp._bootstrap [-m module | script.py] [args ...]"
 
@@ -74,7 +77,7 @@ def _end_mpi_job(code: int) -> None:
     the interpreter's lock held: faulthandler's own thread, which needs no lock, ends this
     process after ``_JOIN_MPI_S`` seconds, and the launcher ends the job on that exit.
     """
-    if not any(name in os.environ for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+    if not _MPI_RANK_VARIABLES.intersection(os.environ):
         return
     global _watchdog_sink
     _watchdog_sink = open(os.devnull, "w")  # noqa: SIM115 - must outlive this call
@@ -89,9 +92,17 @@ def _end_mpi_job(code: int) -> None:
 
 
 def _follow_launcher() -> None:
-    """End this process when smddprun's local launcher dies (Linux), so none is orphaned."""
+    """End this process when what started it dies (Linux), so none is orphaned.
+
+    Started by smddprun itself: ``SIGTERM`` when smddprun dies. Started by an MPI launcher:
+    :func:`smddp._parent_watch.follow_parent` (Open MPI's segments removed, then ``SIGTERM``).
+    """
+    if not sys.platform.startswith("linux"):
+        return
     pid = os.environ.get(LAUNCHER_PID_ENV)
-    if not pid or not sys.platform.startswith("linux"):
+    if not pid:
+        if _MPI_RANK_VARIABLES.intersection(os.environ):
+            _parent_watch.follow_parent()
         return
     try:
         import ctypes

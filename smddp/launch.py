@@ -27,8 +27,9 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from smddp import _runtime
+from smddp import _runtime, knobs
 from smddp._local_job import LocalJob
+from smddp._mpi_job import MPI, network_args, run_mpirun
 from smddp._topology import LAUNCHER_PID_ENV, first_slurm_host
 from smddp.errors import InvalidArgumentError, SMDDPError
 
@@ -85,15 +86,6 @@ class Options:
     alias: bool = True
     dry_run: bool = False
     program: List[str] = field(default_factory=list)  # [script, args...] or ["-m", module, args...]
-
-
-@dataclass(frozen=True)
-class MPI:
-    """An ``mpirun`` and the command-line dialect it speaks."""
-
-    path: str
-    flavor: str  # "openmpi" or "hydra" (MPICH, Intel MPI)
-    major: int = 0
 
 
 # ---------------------------------------------------------------- command line
@@ -272,7 +264,7 @@ free_port = _runtime.free_port
 
 def find_mpirun(env: Mapping[str, str]) -> Optional[str]:
     """The ``mpirun`` to use: ``$SMDDP_MPIRUN``, the one beside this Python, then PATH."""
-    explicit = env.get("SMDDP_MPIRUN")
+    explicit = knobs.value("SMDDP_MPIRUN", env)
     if explicit:
         found = shutil.which(explicit, path=env.get("PATH"))
         if found is None:
@@ -411,6 +403,7 @@ def mpirun_command(opts: Options, mpi: MPI, env: Mapping[str, str]) -> List[str]
             cmd += ["--prtemca", "state_base_error_non_zero_exit", "1"]
         else:
             cmd += ["--mca", "orte_abort_on_non_zero_status", "1"]
+        cmd += network_args(mpi, single_host(opts, env), env)
         for name in forwarded:
             cmd += ["-x", name]
     return cmd + opts.mpi_args + _rank_program(opts)
@@ -469,8 +462,9 @@ def _run_local(opts: Options, env: Dict[str, str], explicit: bool) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``smddprun`` and ``python -m smddp.launch``.
 
-    Under mpirun this process becomes ``mpirun`` (``exec``), so signals and the exit status
-    are mpirun's own. Returns the job's exit status otherwise.
+    Under mpirun this process stays mpirun's parent (:func:`smddp._mpi_job.run_mpirun`): the
+    signals it gets are passed on, mpirun ends when it dies, and it ends as mpirun ended.
+    Returns the job's exit status.
     """
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -489,8 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(cmd[0], cmd, env)
-    return 0  # not reached
+    return run_mpirun(cmd, env)
 
 
 if __name__ == "__main__":
