@@ -72,15 +72,17 @@ def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
         InvalidArgumentError: the port is taken, or ``SMDDP_SOCKET_IFNAME`` names no usable interface.
     """
     bind = _sockets.store_address(host, _sockets.one_host(topology))
+    # multi_tenant, as torch's own env:// and tcp:// stores: a later torch store on the same port
+    # in this process (init_method="tcp://MASTER_ADDR:MASTER_PORT") shares this server.
     if bind is None:
-        return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False)
+        return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False, multi_tenant=True)
     sock = _sockets.listening_socket(bind, port)
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here
     try:
         # torch would bind its server to every interface; adopting this socket keeps it on ``bind``.
         return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False,
-                              master_listen_fd=fd)
+                              multi_tenant=True, master_listen_fd=fd)
     except BaseException:
         os.close(fd)
         raise
