@@ -2,10 +2,13 @@
 
 A fingerprint is a fixed-size row of integers -- operation, reduction op, dtype, shape or
 element count, root rank, sequence number -- that ranks compare before they use each
-other's data. Two places compare them: ``SMDDP_DEBUG=1`` before every collective
-(:mod:`smddp.comm.engine.debug`, which all-gathers the rows), and the shared-memory plane on
+other's data. Three places compare them: ``SMDDP_DEBUG=1`` before every collective
+(:mod:`smddp.comm.engine.debug`, which all-gathers the rows), the shared-memory plane on
 every collective, from fingerprints that each rank writes next to its epoch word
-(:mod:`smddp.comm.backends.shm`). Both describe a difference with :func:`describe`.
+(:mod:`smddp.comm.backends.shm`), and the gloo plane, whose collectives start with an
+exchange that carries them (:mod:`smddp.comm.backends.gloo`). The planes pack a fingerprint
+into two integers (:func:`signature`, :data:`Print`); all describe a difference with
+:func:`describe`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from smddp.comm.base import Op
+from smddp.errors import CollectiveMismatchError
 
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier", "reduce_scatter")
 OPS = tuple(Op)
@@ -23,6 +27,9 @@ DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
 )
+
+#: A fingerprint as the planes carry it: (element count, or -1 where none is compared; :func:`signature`).
+Print = Tuple[int, int]
 
 MAGIC_VALUE = 0x534D44445044  # "SMDDPD"
 _MAX_DIMS = 7
@@ -127,3 +134,41 @@ def describe(rows: Sequence[Sequence[int]], names: Sequence[int]) -> str:
     calls = "; ".join(f"rank {ranks_text(ranks)}: {explain(key)}" for key, ranks in groups.items())
     return (f"(they differ in {', '.join(fields)}): {calls}. "
             f"Ranks that differ from rank {names[0]}: {ranks_text(odd)}.")
+
+
+def signature(seq: int, kind: str, dtype: Optional[torch.dtype] = None, op: Optional[Op] = None,
+              root: int = -1) -> int:
+    """The second word of a plane's fingerprint, packed as the shared-memory core's ``FP_SIG``.
+
+    Args:
+        seq: the collective's sequence number (its low 31 bits are kept).
+        kind: one of :data:`KINDS`.
+        dtype: the data's dtype, if it is compared.
+        op: the reduction, if any.
+        root: the root rank, if any.
+    """
+    dtype_code = -1 if dtype is None else code(DTYPES, dtype)
+    op_code = -1 if op is None else code(OPS, op)
+    return ((seq & 0x7FFFFFFF) << 32) | (code(KINDS, kind) << 24) | ((dtype_code + 1) << 16) | (
+        (op_code + 1) << 8) | (root + 1)
+
+
+def mismatch_error(prints: Sequence[Print], names: Sequence[int], plane: str, group: str = "world"
+                   ) -> CollectiveMismatchError:
+    """The error every rank of a plane raises when its ranks' fingerprints of one collective differ.
+
+    Args:
+        prints: every rank's fingerprint, in the plane's rank order.
+        names: the group rank of each of the plane's ranks.
+        plane: the plane, in words (``"the shared-memory plane"``).
+        group: the group's name.
+    """
+    rows = [counted(sig >> 32, (sig >> 24) & 0xFF, ((sig >> 8) & 0xFF) - 1, ((sig >> 16) & 0xFF) - 1,
+                    (sig & 0xFF) - 1, count) for count, sig in prints]
+    where = "" if group == "world" else f"in group {group!r} "
+    text = (f"the ranks called different collectives at sequence {rows[0][SEQ]} {where}on {plane} "
+            f"{describe(rows, list(names))} The collective was not run on any rank, and the plane stays "
+            f"in step: later collectives run.")
+    if SEQ in differing(rows):
+        text += " Different sequence numbers mean some ranks ran collectives the others did not."
+    return CollectiveMismatchError(text)

@@ -345,7 +345,7 @@ static PyObject *Segment_broadcast(Segment *s, PyObject *args) {
     long long seq;
     int root, dtype;
     Op *o;
-    if (!PyArg_ParseTuple(args, "KninniL", &addr, &nbytes, &root, &chunk_bytes, &dtype, &count, &seq))
+    if (!PyArg_ParseTuple(args, "KnininL", &addr, &nbytes, &root, &chunk_bytes, &dtype, &count, &seq))
         return NULL;
     if (root < 0 || root >= s->size) {
         PyErr_Format(PyExc_ValueError, "root %d is not a rank of this segment (size %d)", root, s->size);

@@ -55,8 +55,9 @@ import torch
 
 from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
-from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait, mismatch_error
+from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
 from smddp.comm.base import DONE, HALF, Op, Pending
+from smddp.comm.fingerprint import mismatch_error
 from smddp.errors import CollectiveMismatchError
 
 try:
@@ -271,7 +272,7 @@ class Plane(TorchOps):
     def _mismatched(self, exc: BaseException) -> CollectiveMismatchError:
         """The error of an operation whose fingerprints differ (the core's Mismatch, or the Python path's)."""
         if not isinstance(exc, CollectiveMismatchError):
-            exc = mismatch_error(exc.args[0], self.names, self.group)
+            exc = mismatch_error(exc.args[0], self.names, "the shared-memory plane", self.group)
         self.mismatch = exc
         return exc
 

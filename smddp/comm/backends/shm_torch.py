@@ -14,69 +14,24 @@ their data (:meth:`TorchOps._check`); the compiled core does the same.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER
 from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, average, combine
-from smddp.errors import CollectiveMismatchError
+from smddp.comm.fingerprint import Print, mismatch_error, signature
 
 #: All-reduces up to this many bytes run in one step (every rank reduces everything). Fixed:
 #: ``SMDDP_SHM_ONE_SHOT_MAX`` tunes the compiled core, whose copies cost less per step.
 ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
-Print = Tuple[int, int]  # a fingerprint in the segment: (element count or -1, signature)
 
 #: int64 index, in a rank's header line, of its fingerprint of even steps (odd: the next two).
 #: The line holds, before it, the epoch word, the pid and the compiled core's sleeper count.
 FP_WORD = 4
-_KIND = {name: i for i, name in enumerate(fingerprint.KINDS)}
-_OP = {op: i for i, op in enumerate(fingerprint.OPS)}
-
-
-def signature(seq: int, kind: str, dtype: Optional[torch.dtype] = None, op: Optional[Op] = None,
-              root: int = -1) -> int:
-    """The second word of a fingerprint, packed as the compiled core's ``FP_SIG``.
-
-    Args:
-        seq: the collective's sequence number (its low 31 bits are kept).
-        kind: one of :data:`smddp.comm.fingerprint.KINDS`.
-        dtype: the data's dtype, if it is compared.
-        op: the reduction, if any.
-        root: the root rank, if any.
-    """
-    dtype_code = -1 if dtype is None else fingerprint.code(fingerprint.DTYPES, dtype)
-    op_code = -1 if op is None else _OP[op]
-    return ((seq & 0x7FFFFFFF) << 32) | (_KIND[kind] << 24) | ((dtype_code + 1) << 16) | ((op_code + 1) << 8) | (
-        root + 1)
-
-
-def mismatch_error(prints: Sequence[Print], names: Sequence[int], group: str) -> CollectiveMismatchError:
-    """The error every rank of a plane raises when the fingerprints of one operation differ.
-
-    Args:
-        prints: every rank's fingerprint (element count, signature), in the plane's rank order.
-        names: the group rank of each of the plane's ranks.
-        group: the group's name.
-    """
-    rows = []
-    for count, sig in prints:
-        rows.append(fingerprint.counted(sig >> 32, (sig >> 24) & 0xFF, ((sig >> 8) & 0xFF) - 1,
-                                        ((sig >> 16) & 0xFF) - 1, (sig & 0xFF) - 1, count))
-    seq = rows[0][fingerprint.SEQ]
-    where = "" if group == "world" else f"in group {group!r} "
-    text = (f"the ranks called different collectives at sequence {seq} {where}on the shared-memory plane "
-            f"{fingerprint.describe(rows, list(names))} The collective was not run on any rank of the plane, "
-            f"which stays in step: later collectives run.")
-    if fingerprint.SEQ in fingerprint.differing(rows):
-        text += " Different sequence numbers mean some ranks ran collectives the others did not."
-    return CollectiveMismatchError(text)
-
-
 class Counters:
     """Where this rank is in the protocol (the compiled core's ``Segment`` has the same fields)."""
 
@@ -165,7 +120,7 @@ class TorchOps:
         at = FP_WORD + 2 * (self._state.steps % 2)
         prints = [(words[r * stride + at], words[r * stride + at + 1]) for r in range(self.size)]
         if any(p != fp for p in prints):
-            raise mismatch_error(prints, self.names, self.group)
+            raise mismatch_error(prints, self.names, "the shared-memory plane", self.group)
 
     # ------------------------------------------------------------------ operations
     def _all_reduce_gen(self, tensor: torch.Tensor, op: Op, seq: int) -> Iterator[_Wait]:
