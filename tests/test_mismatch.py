@@ -6,8 +6,10 @@ count, root, one operation against another, barrier against all_reduce, SUM agai
 :class:`~smddp.errors.CollectiveMismatchError` with the same message, naming the odd rank and
 what differs, and a correct all-reduce right after gives every rank the right sum (the plane
 stays in step). The planes: shared memory (compiled core and Python path, ``mpirun -np 2`` and
-``-np 3``, ``torchrun``), and gloo pinned with ``SMDDP_CPU_PLANE=gloo``, where no rank may die
-of a signal.
+``-np 3``, ``torchrun``), gloo pinned with ``SMDDP_CPU_PLANE=gloo``, where no rank may die
+of a signal, and the hierarchical plane over two "hosts" made with ``SMDDP_HOST_ID``, where the
+group is broken after a mismatch. A gather whose arguments only the root rejects is checked
+on shared memory and gloo.
 """
 
 from __future__ import annotations
@@ -131,3 +133,24 @@ def test_gather_whose_arguments_only_the_root_rejects(plane, words):
         assert line == message, (rank, line, message)
         failed = after.get(("gather_bad_root", rank), "")
         assert failed.split(" ", 1)[0] in ("CollectiveError", "CollectiveTimeout"), (rank, failed)
+
+
+@pytest.mark.mpi
+def test_hierarchical_plane_mismatch_within_a_host_breaks_the_group():
+    # Two "hosts" of two ranks; rank 3's 1M-element all-reduce (the hierarchical path) is one
+    # element longer. Host 1's ranks compare fingerprints and raise; host 0's ranks agree with
+    # each other and wait in the exchange between hosts until the timeout. Every later
+    # collective of the group fails on every rank: nothing pairs wrongly.
+    env = {"SMDDP_TIMEOUT": "5", "MISMATCH_RANKS_PER_HOST": "2"}
+    result = mpirun(4, [SCRIPT, "v1", "count_1m"], timeout=120, env=env)
+    raised, after = reports(result.output, "RAISED"), reports(result.output, "AFTER")
+    for rank in (2, 3):
+        line = raised.get(("count_1m", rank), "")
+        assert line.startswith("CollectiveMismatchError") and SHM in line, (rank, result.output)
+        assert ("rank 2: all_reduce(op=SUM, dtype=float32, numel=1048576) as sequence 1; "
+                "rank 3: all_reduce(op=SUM, dtype=float32, numel=1048577)") in line, line
+        assert after.get(("count_1m", rank), "").startswith(
+            "CollectiveError the hierarchical CPU plane cannot go on"), (rank, after)
+    for rank in (0, 1):
+        assert raised.get(("count_1m", rank), "").startswith("CollectiveTimeout"), (rank, result.output)
+        assert after.get(("count_1m", rank), "").startswith("CollectiveTimeout"), (rank, after)

@@ -1,6 +1,7 @@
 """Collectives that differ across ranks, with SMDDP_DEBUG unset: every rank must raise.
 
-Usage: ``mismatch_job.py v1|torch [case ...]`` under mpirun or torchrun. ``v1`` calls
+Usage: ``mismatch_job.py v1|torch [case ...]`` under mpirun or torchrun; with
+``MISMATCH_RANKS_PER_HOST=n`` every n ranks make one "host" (``SMDDP_HOST_ID``). ``v1`` calls
 ``smddp.torch.distributed``; ``torch`` calls ``torch.distributed`` on the ``"smddp"`` backend.
 The last rank is the odd one out (with 3 ranks, ranks 0 and 1 agree with each other).
 
@@ -14,9 +15,15 @@ a job that ran every case.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
+
+if os.environ.get("MISMATCH_RANKS_PER_HOST"):
+    # Make "hosts" of this many ranks each (the hierarchical plane), as SMDDP_HOST_ID allows.
+    launched = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
+    os.environ["SMDDP_HOST_ID"] = f"host{launched // int(os.environ['MISMATCH_RANKS_PER_HOST'])}"
 
 API = sys.argv[1]
 if API == "v1":
