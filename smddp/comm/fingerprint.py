@@ -31,6 +31,8 @@ DTYPES = (
 #: A fingerprint as the planes carry it: (element count, or -1 where none is compared; :func:`signature`).
 Print = Tuple[int, int]
 
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+
 MAGIC_VALUE = 0x534D44445044  # "SMDDPD"
 _MAX_DIMS = 7
 # Row layout. NDIM is -1 where only the element count is known (the shared-memory plane).
@@ -51,6 +53,11 @@ def code(table: Sequence, value) -> int:
         return len(table)
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s code: its index in :data:`DTYPES`, ``len(DTYPES)`` for any other."""
+    return _DTYPE_CODES.get(dtype, len(DTYPES))
+
+
 def fingerprint(seq: int, kind: str, op: Optional[Op], tensor: Optional[torch.Tensor],
                 src: Optional[int] = None, backward: bool = False, rows: bool = False) -> List[int]:
     """The row of integers that describes one collective call.
@@ -68,7 +75,7 @@ def fingerprint(seq: int, kind: str, op: Optional[Op], tensor: Optional[torch.Te
            int(backward), -1, -1] + [-1] * _MAX_DIMS
     if tensor is not None:
         shape = list(tensor.shape[1:] if rows else tensor.shape)
-        row[DTYPE] = code(DTYPES, tensor.dtype)
+        row[DTYPE] = dtype_code(tensor.dtype)
         row[NDIM] = len(shape)
         row[NUMEL] = int(torch.Size(shape).numel())
         if len(shape) > _MAX_DIMS:
@@ -147,9 +154,9 @@ def signature(seq: int, kind: str, dtype: Optional[torch.dtype] = None, op: Opti
         op: the reduction, if any.
         root: the root rank, if any.
     """
-    dtype_code = -1 if dtype is None else code(DTYPES, dtype)
+    dtype_number = -1 if dtype is None else dtype_code(dtype)
     op_code = -1 if op is None else code(OPS, op)
-    return ((seq & 0x7FFFFFFF) << 32) | (code(KINDS, kind) << 24) | ((dtype_code + 1) << 16) | (
+    return ((seq & 0x7FFFFFFF) << 32) | (code(KINDS, kind) << 24) | ((dtype_number + 1) << 16) | (
         (op_code + 1) << 8) | (root + 1)
 
 

@@ -205,7 +205,7 @@ class Plane(TorchOps):
             return self.start(self._all_gather_gen(output, input, tag))
         return self._run(self._seg.all_gather(
             output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), CHUNK_BYTES,
-            fingerprint.code(fingerprint.DTYPES, input.dtype), input.numel(), tag), (output, input))
+            fingerprint.dtype_code(input.dtype), input.numel(), tag), (output, input))
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
         """Copy rank ``src``'s flat ``tensor`` into every rank's."""
@@ -213,7 +213,7 @@ class Plane(TorchOps):
             return self.start(self._broadcast_gen(tensor, src, tag))
         return self._run(self._seg.broadcast(
             tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES,
-            fingerprint.code(fingerprint.DTYPES, tensor.dtype), tensor.numel(), tag), tensor)
+            fingerprint.dtype_code(tensor.dtype), tensor.numel(), tag), tensor)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts, input_counts,
                    tag: int = 0) -> Pending:
@@ -225,7 +225,7 @@ class Plane(TorchOps):
         es = input.element_size()
         return self._run(self._seg.all_to_all(
             output.data_ptr(), input.data_ptr(), [c * es for c in input_counts], [c * es for c in output_counts],
-            CHUNK_BYTES, fingerprint.code(fingerprint.DTYPES, input.dtype), tag), (output, input))
+            CHUNK_BYTES, fingerprint.dtype_code(input.dtype), tag), (output, input))
 
     def barrier(self, tag: int = 0) -> Pending:
         """Complete once every rank of the plane has entered it."""
