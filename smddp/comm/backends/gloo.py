@@ -93,7 +93,7 @@ class _Checked(Pending):
 
     Args:
         comm: the communicator.
-        fp: this rank's fingerprint.
+        fp: this rank's fingerprint; None: no exchange, ``large`` goes out at once (in order).
         data: this rank's bytes that travel in its row (empty if none, or too large).
         small: the collective is complete once the rows are in: ``small(rows)`` finishes it
             (``rows``: every rank's data bytes, one row each), or None.
@@ -103,7 +103,7 @@ class _Checked(Pending):
 
     __slots__ = ("_comm", "_fp", "_data", "_rows", "_first", "_small", "_large", "_second", "_done", "_error")
 
-    def __init__(self, comm: GlooCommunicator, fp: Print, data: torch.Tensor, small, large=None):
+    def __init__(self, comm: GlooCommunicator, fp: Optional[Print], data: torch.Tensor, small, large=None):
         self._comm, self._fp, self._data, self._small, self._large = comm, fp, data, small, large
         self._rows: Optional[torch.Tensor] = None
         self._first: Optional[_Work] = None
@@ -113,8 +113,11 @@ class _Checked(Pending):
         comm._issue(self)
 
     def _exchange(self) -> None:
-        """Put out this collective's exchange."""
+        """Put out this collective's exchange (or, without a fingerprint, its operation)."""
         comm = self._comm
+        if self._fp is None:
+            self._second = self._large()
+            return
         row = torch.zeros(_ROW, dtype=torch.uint8)
         row[:_HEAD].view(torch.int64).copy_(torch.tensor(self._fp, dtype=torch.int64))
         row[_HEAD:_HEAD + self._data.numel()].copy_(self._data)
@@ -125,6 +128,8 @@ class _Checked(Pending):
     def _exchanged(self) -> bool:
         """Once the rows are in: compare them; finish a small collective, start a large one's
         operation. False while they are not in."""
+        if self._first is None:  # no exchange: the operation is out
+            return True
         if not self._first.test():
             return False
         rows = self._rows.view(self._comm.size, _ROW)
@@ -203,6 +208,10 @@ class GlooCommunicator(Communicator):
         # gloo's own limit comes a little after the engine's, so that the engine's timeout,
         # which names the stalled ranks, is the one users see.
         self.pg = tdist.ProcessGroupGloo(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
+        #: Check collectives larger than :data:`SMALL_BYTES` too, at the cost of one exchange
+        #: before gloo's own operation. The hierarchical plane's exchange between hosts turns it
+        #: off: a check there may not add a round trip (``SMDDP_DEBUG=1`` checks everything).
+        self.check_large = True
         self._issuing: Deque[_Checked] = collections.deque()  # collectives not yet wholly put out
         self._lock = threading.Lock()
 
@@ -211,22 +220,30 @@ class GlooCommunicator(Communicator):
             self._issuing.append(op)
             if len(self._issuing) == 1:
                 op._exchange()
+                self._put_out()
 
     def _pump(self) -> None:
         """Put out the waiting collectives' gloo operations, in issue order, as far as their
         exchanges allow."""
         with self._lock:
-            issuing = self._issuing
-            while issuing:
-                op = issuing[0]
-                try:
-                    if not op._exchanged():
-                        return
-                except Exception as exc:  # noqa: BLE001 - a mismatch, or gloo's error: that collective's
-                    op._error = exc
-                issuing.popleft()
-                if issuing:
-                    issuing[0]._exchange()
+            self._put_out()
+
+    def _put_out(self) -> None:
+        issuing = self._issuing
+        while issuing:
+            op = issuing[0]
+            try:
+                if not op._exchanged():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a mismatch, or gloo's error: that collective's
+                op._error = exc
+            issuing.popleft()
+            if issuing:
+                issuing[0]._exchange()
+
+    def _checked(self, fp: Print, large) -> _Checked:
+        """A collective too large for the exchange's row: checked first where :attr:`check_large`."""
+        return _Checked(self, fp if self.check_large else None, _NOTHING, None, large)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))
@@ -246,7 +263,7 @@ class GlooCommunicator(Communicator):
 
             return _Work(self.pg.allreduce([work], opts), after)
 
-        return _Checked(self, fp, _NOTHING, None, large)
+        return self._checked(fp, large)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         fp = (tensor.numel(), signature(tag, "broadcast", tensor.dtype, root=src))
@@ -262,15 +279,14 @@ class GlooCommunicator(Communicator):
             opts.rootRank = src
             return _Work(self.pg.broadcast([tensor], opts))
 
-        return _Checked(self, fp, _NOTHING, None, large)
+        return self._checked(fp, large)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         fp = (input.numel(), signature(tag, "all_gather", input.dtype))
         if input.numel() * input.element_size() <= SMALL_BYTES:
             return _Checked(self, fp, _bytes(input),
                             lambda rows: output.view(self.size, -1).copy_(_typed(rows, input)))
-        return _Checked(self, fp, _NOTHING, None,
-                        lambda: _Work(self.pg.allgather([list(output.chunk(self.size))], [input])))
+        return self._checked(fp, lambda: _Work(self.pg.allgather([list(output.chunk(self.size))], [input])))
 
     def all_to_all_single(
         self,
@@ -286,7 +302,7 @@ class GlooCommunicator(Communicator):
             opts = tdist.AllToAllOptions()
             return _Work(self.pg.alltoall_base(output, input, list(output_counts), list(input_counts), opts))
 
-        return _Checked(self, fp, _NOTHING, None, large)
+        return self._checked(fp, large)
 
     def barrier(self, tag: int) -> Pending:
         return _Checked(self, (-1, signature(tag, "barrier")), _NOTHING, lambda rows: None)

@@ -137,6 +137,10 @@ class HierarchicalCommunicator(_Composed):
         super().__init__(ctx, shm, flat, debug)
         self.across = across
         self.min_bytes = min_bytes
+        if hasattr(across, "check_large"):
+            # gloo between hosts: fingerprints only where they ride with the data; a check
+            # of the parts between hosts would add a round trip to every large all-reduce.
+            across.check_large = False
 
     def _in_step(self) -> None:
         """Raise once this host's ranks have disagreed (the other hosts' may be waiting between hosts)."""
