@@ -16,7 +16,9 @@ with its own: if they differ, every rank raises the same
 :class:`~smddp.errors.CollectiveMismatchError` after that one exchange, and the plane stays
 in step. A collective whose data fit in the row is then done (an all-reduce folds the rows
 in rank order, half types in float32: the same bits on every rank); a larger one runs
-gloo's own collective next. all_to_all_single's counts differ from rank to rank: its
+gloo's own collective next, unless :attr:`GlooCommunicator.check_large` is off (the
+hierarchical plane's exchange between hosts, where a check may not add a round trip): then
+it goes out at once, unchecked. all_to_all_single's counts differ from rank to rank: its
 fingerprint has the dtype, not the counts, and gloo may still abort on counts that do not
 pair up (``SMDDP_DEBUG=1`` checks them first).
 """
