@@ -40,7 +40,12 @@ class CollectiveError(SMDDPError, RuntimeError):
 
 
 class CollectiveMismatchError(CollectiveError):
-    """Ranks called different collectives (``SMDDP_DEBUG=1`` checks this)."""
+    """Ranks called different collectives: raised on every rank, naming the ranks and what differs.
+
+    The shared-memory plane checks every collective (kind, dtype, element count, root,
+    reduction op, sequence number); ``SMDDP_DEBUG=1`` checks every plane, shapes too. The
+    collective was not run, and the job can go on (docs/troubleshooting.md says where not).
+    """
 
 
 class CollectiveTimeout(CollectiveError, TimeoutError):

@@ -85,6 +85,22 @@ def combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
         acc.mul_(incoming)
 
 
+def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
+    """Reduce the rows of ``rows`` (``size x n``) in row order into ``out`` (``n`` elements).
+
+    Args:
+        rows: one row per rank, rank order.
+        op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
+        out: where the result goes (any shape with ``n`` elements).
+    """
+    acc = rows[0].to(torch.float32 if rows.dtype in HALF else rows.dtype, copy=True)
+    for row in rows[1:]:
+        combine(acc, row, op)
+    if op is Op.AVERAGE:
+        average(acc, rows.shape[0])
+    out.detach().copy_(acc.view(out.shape))
+
+
 class Pending(abc.ABC):
     """An operation in flight.
 

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import HALF, Op, Pending, average, combine, flat, then
+from smddp.comm.base import Op, Pending, flat, reduce_rows, then
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine.checks import check_writable
 from smddp.errors import InvalidArgumentError, InvalidTypeError
@@ -40,20 +40,21 @@ def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=
     return engine.run(op_name, start, True, check)
 
 
-def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
-    """Reduce the rows of ``rows`` (``size x n``) in row order into ``out`` (``n`` elements).
+def _root_checks(engine: Engine, op_name: str, checks: Callable[[], None]) -> None:
+    """Run the argument checks only the root can make; if they raise, the call still takes its
+    sequence number (nothing is sent), so that the other ranks, whose calls went ahead, see
+    it by the number (the shared-memory plane's fingerprints, ``SMDDP_DEBUG``) instead of
+    pairing this rank's next collective with theirs."""
+    try:
+        checks()
+        return
+    except (InvalidArgumentError, InvalidTypeError) as exc:
+        error = exc
 
-    Args:
-        rows: one row per rank, rank order.
-        op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
-        out: where the result goes (any shape with ``n`` elements).
-    """
-    acc = rows[0].to(torch.float32 if rows.dtype in HALF else rows.dtype, copy=True)
-    for row in rows[1:]:
-        combine(acc, row, op)
-    if op is Op.AVERAGE:
-        average(acc, rows.shape[0])
-    out.detach().copy_(acc.view(out.shape))
+    def refuse(seq: int) -> Pending:
+        raise error
+
+    engine.run(op_name, refuse, False)
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -127,8 +128,9 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
     root = engine.rank == dst
     outs = _tensor_list(outputs, "gather_list") if root else []
     if root:
-        engine.checks.per_rank(outs, input, "gather", "gather_list", "input")
-        _check_outputs(outs, "gather", "gather_list")
+        _root_checks(engine, "gather", lambda: (
+            engine.checks.per_rank(outs, input, "gather", "gather_list", "input"),
+            _check_outputs(outs, "gather", "gather_list")))
     comm = engine.checks.comm_for(input, *outs)
     src = flat(input)
     buf = torch.empty(engine.size * n if root else 0, dtype=src.dtype, device=src.device)
@@ -160,7 +162,8 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
     root = engine.rank == src
     ins = _tensor_list(inputs, "scatter_list") if root else []
     if root:
-        engine.checks.per_rank(ins, output, "scatter", "scatter_list", "output")
+        _root_checks(engine, "scatter",
+                     lambda: engine.checks.per_rank(ins, output, "scatter", "scatter_list", "output"))
     comm = engine.checks.comm_for(output, *ins)
     packed = torch.cat([flat(t) for t in ins]) if root else output.new_empty(0)
     buf, after = engine.checks.buffer(output, "scatter", "output")

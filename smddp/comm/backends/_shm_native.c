@@ -50,6 +50,32 @@
 #include "_shm_sync.h"
 #include "_shm_ops.h"
 
+static PyObject *Mismatch; /* raised by Op.advance: args[0] holds every rank's fingerprint */
+
+/* Raise Mismatch with ((count, signature) of each rank of the segment). */
+static void raise_mismatch(Op *o) {
+    Segment *s = o->seg;
+    PyObject *rows = PyTuple_New(s->size), *exc;
+    int r;
+    if (rows == NULL)
+        return;
+    for (r = 0; r < s->size; r++) {
+        volatile int64_t *fp = fingerprint(s, r, o->step);
+        PyObject *row = Py_BuildValue("(LL)", (long long)fp[0], (long long)fp[1]);
+        if (row == NULL) {
+            Py_DECREF(rows);
+            return;
+        }
+        PyTuple_SET_ITEM(rows, r, row);
+    }
+    exc = PyObject_CallOneArg(Mismatch, rows);
+    Py_DECREF(rows);
+    if (exc != NULL) {
+        PyErr_SetObject(Mismatch, exc);
+        Py_DECREF(exc);
+    }
+}
+
 static PyObject *Op_advance(Op *o, PyObject *arg) {
     long long budget = PyLong_AsLongLong(arg);
     if (budget == -1 && PyErr_Occurred())
@@ -69,6 +95,16 @@ static PyObject *Op_advance(Op *o, PyObject *arg) {
                 Py_RETURN_FALSE;
             }
             o->wait_epoch = 0;
+        }
+        if (o->check) {
+            o->check = 0;
+            if (!fingerprints_match(o)) {
+                /* Every rank sees the same fingerprints and stops here, after the same steps and
+                 * publishes: the segment stays in step for the operations after this one. */
+                o->done = 1;
+                raise_mismatch(o);
+                return NULL;
+            }
         }
         if (run(o))
             o->done = 1;
@@ -167,6 +203,9 @@ static Op *new_op(Segment *s, int kind) {
     o->world = 1;
     o->paused = 0;
     o->parts = NULL;
+    o->fp_count = -1;
+    o->fp_sig = FP_SIG(0, FP_KIND[kind], -1, -1, -1);
+    o->signed_ = o->check = 0;
     return o;
 }
 
@@ -182,29 +221,41 @@ static int check_dtype_op(int dtype, int op) {
     return 0;
 }
 
-/* A reducing operation of ``kind`` on ``dtype`` with ``op``, its data at ``addr``. */
-static Op *new_reducing_op(Segment *s, int kind, unsigned long long addr, int dtype, int op) {
+/* The fingerprint of ``o``: collective number ``seq``, ``count`` elements (-1: not compared)
+ * of fingerprint dtype code ``dtype`` (-1: none), reduction ``op`` and ``root`` (-1: none). */
+static void sign(Op *o, long long seq, long long count, int dtype, int op, int root) {
+    o->fp_count = count;
+    o->fp_sig = FP_SIG(seq, FP_KIND[o->kind], dtype, op, root);
+}
+
+/* A reducing operation of ``kind`` on ``dtype`` with ``op``, its data at ``addr``, ``n``
+ * elements, collective number ``seq``. */
+static Op *new_reducing_op(Segment *s, int kind, unsigned long long addr, Py_ssize_t n, int dtype, int op,
+                           long long seq) {
     Op *o;
     if (check_dtype_op(dtype, op) < 0)
         return NULL;
     if ((o = new_op(s, kind)) == NULL)
         return NULL;
     o->data = (char *)(uintptr_t)addr;
+    o->n = n;
     o->dtype = dtype;
     o->op = op;
     o->esize = ELEMENT_SIZE[dtype];
+    sign(o, seq, n, dtype, op, -1);
     return o;
 }
 
-/* all_reduce(addr, n, dtype, op, chunk_bytes, one_shot_max): called for every all-reduce, so
- * its arguments are read without PyArg_ParseTuple's format parsing. */
+/* all_reduce(addr, n, dtype, op, chunk_bytes, one_shot_max, seq): called for every all-reduce,
+ * so its arguments are read without PyArg_ParseTuple's format parsing. */
 static PyObject *Segment_all_reduce(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long addr;
     Py_ssize_t n, chunk_bytes, one_shot_max;
+    long long seq;
     int dtype, op;
     Op *o;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "all_reduce() takes 6 arguments (%zd given)", nargs);
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "all_reduce() takes 7 arguments (%zd given)", nargs);
         return NULL;
     }
     addr = PyLong_AsUnsignedLongLong(args[0]);
@@ -213,11 +264,11 @@ static PyObject *Segment_all_reduce(Segment *s, PyObject *const *args, Py_ssize_
     op = (int)PyLong_AsLong(args[3]);
     chunk_bytes = PyLong_AsSsize_t(args[4]);
     one_shot_max = PyLong_AsSsize_t(args[5]);
+    seq = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred())
         return NULL;
-    if ((o = new_reducing_op(s, K_ALL_REDUCE, addr, dtype, op)) == NULL)
+    if ((o = new_reducing_op(s, K_ALL_REDUCE, addr, n, dtype, op, seq)) == NULL)
         return NULL;
-    o->n = n;
     o->one_shot = n * o->esize <= one_shot_max && n * o->esize <= s->slot;
     if (o->one_shot) {
         o->chunk = n > 0 ? n : 1;
@@ -232,9 +283,10 @@ static PyObject *Segment_all_reduce(Segment *s, PyObject *const *args, Py_ssize_
 static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
     unsigned long long addr;
     Py_ssize_t n, chunk_bytes;
+    long long seq;
     int dtype, op, world;
     Op *o;
-    if (!PyArg_ParseTuple(args, "Kniini", &addr, &n, &dtype, &op, &chunk_bytes, &world))
+    if (!PyArg_ParseTuple(args, "KniiniL", &addr, &n, &dtype, &op, &chunk_bytes, &world, &seq))
         return NULL;
     if (dtype == T_F16 || dtype == T_BF16) {
         PyErr_SetString(PyExc_ValueError, "all_reduce_across: half types are reduced in float32 by the Python path");
@@ -244,9 +296,8 @@ static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "world %d is not a job size", world);
         return NULL;
     }
-    if ((o = new_reducing_op(s, K_ALL_REDUCE_ACROSS, addr, dtype, op)) == NULL)
+    if ((o = new_reducing_op(s, K_ALL_REDUCE_ACROSS, addr, n, dtype, op, seq)) == NULL)
         return NULL;
-    o->n = n;
     o->world = world;
     o->chunk = (chunk_bytes < s->slot ? chunk_bytes : s->slot) / o->esize;
     if (o->chunk < s->size) o->chunk = s->size;
@@ -256,14 +307,14 @@ static PyObject *Segment_all_reduce_across(Segment *s, PyObject *args) {
 static PyObject *Segment_reduce_scatter(Segment *s, PyObject *args) {
     unsigned long long out, in;
     Py_ssize_t m, chunk_bytes, per;
+    long long seq;
     int dtype, op;
     Op *o;
-    if (!PyArg_ParseTuple(args, "KKniin", &out, &in, &m, &dtype, &op, &chunk_bytes))
+    if (!PyArg_ParseTuple(args, "KKniinL", &out, &in, &m, &dtype, &op, &chunk_bytes, &seq))
         return NULL;
-    if ((o = new_reducing_op(s, K_REDUCE_SCATTER, out, dtype, op)) == NULL)
+    if ((o = new_reducing_op(s, K_REDUCE_SCATTER, out, m, dtype, op, seq)) == NULL)
         return NULL;
     o->input = (char *)(uintptr_t)in;
-    o->n = m;
     per = (chunk_bytes < s->slot ? chunk_bytes : s->slot) / (o->esize * s->size);
     o->chunk = per > 0 ? per : 1;
     return (PyObject *)o;
@@ -271,12 +322,15 @@ static PyObject *Segment_reduce_scatter(Segment *s, PyObject *args) {
 
 static PyObject *Segment_all_gather(Segment *s, PyObject *args) {
     unsigned long long out, in;
-    Py_ssize_t nbytes, chunk_bytes;
+    Py_ssize_t nbytes, chunk_bytes, count;
+    long long seq;
+    int dtype;
     Op *o;
-    if (!PyArg_ParseTuple(args, "KKnn", &out, &in, &nbytes, &chunk_bytes))
+    if (!PyArg_ParseTuple(args, "KKnninL", &out, &in, &nbytes, &chunk_bytes, &dtype, &count, &seq))
         return NULL;
     if ((o = new_op(s, K_ALL_GATHER)) == NULL)
         return NULL;
+    sign(o, seq, count, dtype, -1, -1);
     o->data = (char *)(uintptr_t)out;
     o->input = (char *)(uintptr_t)in;
     o->n = nbytes;
@@ -287,10 +341,11 @@ static PyObject *Segment_all_gather(Segment *s, PyObject *args) {
 
 static PyObject *Segment_broadcast(Segment *s, PyObject *args) {
     unsigned long long addr;
-    Py_ssize_t nbytes, chunk_bytes;
-    int root;
+    Py_ssize_t nbytes, chunk_bytes, count;
+    long long seq;
+    int root, dtype;
     Op *o;
-    if (!PyArg_ParseTuple(args, "Knin", &addr, &nbytes, &root, &chunk_bytes))
+    if (!PyArg_ParseTuple(args, "KnininL", &addr, &nbytes, &root, &chunk_bytes, &dtype, &count, &seq))
         return NULL;
     if (root < 0 || root >= s->size) {
         PyErr_Format(PyExc_ValueError, "root %d is not a rank of this segment (size %d)", root, s->size);
@@ -298,6 +353,7 @@ static PyObject *Segment_broadcast(Segment *s, PyObject *args) {
     }
     if ((o = new_op(s, K_BROADCAST)) == NULL)
         return NULL;
+    sign(o, seq, count, dtype, -1, root);
     o->data = (char *)(uintptr_t)addr;
     o->root = root;
     o->n = nbytes;
@@ -338,11 +394,14 @@ static PyObject *Segment_all_to_all(Segment *s, PyObject *args) {
     unsigned long long out, in;
     PyObject *send, *recv;
     Py_ssize_t chunk_bytes;
+    long long seq;
+    int dtype;
     Op *o;
-    if (!PyArg_ParseTuple(args, "KKOOn", &out, &in, &send, &recv, &chunk_bytes))
+    if (!PyArg_ParseTuple(args, "KKOOniL", &out, &in, &send, &recv, &chunk_bytes, &dtype, &seq))
         return NULL;
     if ((o = new_op(s, K_ALL_TO_ALL)) == NULL)
         return NULL;
+    sign(o, seq, -1, dtype, -1, -1); /* the counts differ from rank to rank: not compared */
     o->data = (char *)(uintptr_t)out;
     o->input = (char *)(uintptr_t)in;
     o->chunk = ((chunk_bytes < s->slot ? chunk_bytes : s->slot) - A2A_HEADER) / s->size / 64 * 64;
@@ -368,9 +427,14 @@ static PyObject *Segment_all_to_all(Segment *s, PyObject *args) {
     return (PyObject *)o;
 }
 
-static PyObject *Segment_barrier(Segment *s, PyObject *noargs) {
-    (void)noargs;
-    return (PyObject *)new_op(s, K_BARRIER);
+static PyObject *Segment_barrier(Segment *s, PyObject *arg) {
+    long long seq = PyLong_AsLongLong(arg);
+    Op *o;
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    if ((o = new_op(s, K_BARRIER)) != NULL)
+        sign(o, seq, -1, -1, -1, -1);
+    return (PyObject *)o;
 }
 
 static PyObject *Segment_publish(Segment *s, PyObject *noargs) {
@@ -440,21 +504,23 @@ static void Segment_dealloc(Segment *s) {
 
 static PyMethodDef Segment_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Segment_all_reduce, METH_FASTCALL,
-     "all_reduce(addr, numel, dtype, op, chunk_bytes, one_shot_max) -> Op: reduce in place."},
+     "all_reduce(addr, numel, dtype, op, chunk_bytes, one_shot_max, seq) -> Op: reduce in place; seq (the "
+     "collective's number) goes into the fingerprint that every rank checks."},
     {"all_reduce_across", (PyCFunction)Segment_all_reduce_across, METH_VARARGS,
-     "all_reduce_across(addr, numel, dtype, op, chunk_bytes, world) -> Op: the hierarchical plane's "
+     "all_reduce_across(addr, numel, dtype, op, chunk_bytes, world, seq) -> Op: the hierarchical plane's "
      "all-reduce; it pauses (Op.exchange) for each part's exchange between hosts."},
     {"reduce_scatter", (PyCFunction)Segment_reduce_scatter, METH_VARARGS,
-     "reduce_scatter(out_addr, in_addr, m, dtype, op, chunk_bytes) -> Op: rank r gets the reduction of "
+     "reduce_scatter(out_addr, in_addr, m, dtype, op, chunk_bytes, seq) -> Op: rank r gets the reduction of "
      "every rank's slice r (m elements each)."},
     {"all_gather", (PyCFunction)Segment_all_gather, METH_VARARGS,
-     "all_gather(out_addr, in_addr, nbytes, chunk_bytes) -> Op: every rank's nbytes in rank order."},
+     "all_gather(out_addr, in_addr, nbytes, chunk_bytes, dtype, count, seq) -> Op: every rank's nbytes in "
+     "rank order (dtype and count: the fingerprint's)."},
     {"broadcast", (PyCFunction)Segment_broadcast, METH_VARARGS,
-     "broadcast(addr, nbytes, root, chunk_bytes) -> Op: root's bytes into every rank's."},
+     "broadcast(addr, nbytes, root, chunk_bytes, dtype, count, seq) -> Op: root's bytes into every rank's."},
     {"all_to_all", (PyCFunction)Segment_all_to_all, METH_VARARGS,
-     "all_to_all(out_addr, in_addr, send_bytes, recv_bytes, chunk_bytes) -> Op: send_bytes[r] bytes "
+     "all_to_all(out_addr, in_addr, send_bytes, recv_bytes, chunk_bytes, dtype, seq) -> Op: send_bytes[r] bytes "
      "(consecutive in the input, rank order) to rank r; recv_bytes[r] from rank r into the output."},
-    {"barrier", (PyCFunction)Segment_barrier, METH_NOARGS, "barrier() -> Op."},
+    {"barrier", (PyCFunction)Segment_barrier, METH_O, "barrier(seq) -> Op."},
     {"publish", (PyCFunction)Segment_publish, METH_NOARGS,
      "publish() -> int: publish this rank's next epoch (waking its sleepers); returns it."},
     {"close", (PyCFunction)Segment_close, METH_NOARGS, "Release the mapping; later calls fail."},
@@ -503,6 +569,13 @@ PyMODINIT_FUNC PyInit__shm_native(void) {
     Py_INCREF(&SegmentType);
     if (PyModule_AddObject(m, "Segment", (PyObject *)&SegmentType) < 0) {
         Py_DECREF(&SegmentType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Mismatch = PyErr_NewExceptionWithDoc(
+        "smddp.comm.backends._shm_native.Mismatch",
+        "The ranks' fingerprints of one operation differ; args[0]: (count, signature) of every rank.", NULL, NULL);
+    if (Mismatch == NULL || PyModule_AddObjectRef(m, "Mismatch", Mismatch) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -23,11 +23,28 @@ typedef struct {
     int world;             /* all_reduce_across: the job's size (divides an AVERAGE) */
     int paused;            /* all_reduce_across: this rank's part waits for the exchange between hosts */
     Py_ssize_t *parts;     /* all_to_all: bytes sent to and received from each rank (see A2A_*) */
+    long long fp_count;    /* the fingerprint (see FP_*): element count, or -1 where none is compared */
+    long long fp_sig;      /* ... sequence, kind, dtype, reduction op and root, packed */
+    int signed_;           /* the fingerprint is in this rank's header line */
+    int check;             /* compare the peers' fingerprints once the wait ends */
 } Op;
 
 static PyTypeObject OpType;
 
 #define MAX_RANKS 64
+
+/* The fingerprint: every operation's first step writes it into this rank's header line (the
+ * cache line of its epoch word, which the peers read anyway), in the half of the step's
+ * parity, before it publishes; once every rank has published that step, each compares every
+ * rank's with its own (Op.advance raises Mismatch) before it uses their data.  Two int64
+ * words: the element count, then FP_SIG's packing.  Field codes are
+ * smddp.comm.fingerprint's (KINDS, DTYPES, OPS); shm_torch.py packs the same. */
+#define FP_WORD 4  /* int64 index, in a rank's header line, of parity 0's fingerprint */
+#define FP_SIG(seq, kind, dtype, op, root) \
+    ((((long long)(seq) & 0x7FFFFFFFLL) << 32) | ((long long)(kind) << 24) | ((long long)((dtype) + 1) << 16) \
+     | ((long long)((op) + 1) << 8) | (long long)((root) + 1))
+/* smddp.comm.fingerprint.KINDS's code of each operation (the hierarchical all-reduce is an all_reduce). */
+static const int FP_KIND[] = {0, 5, 2, 1, 4, 0, 3};
 
 /* all_to_all's table (Op.parts), size entries each: send offset, send length, receive offset,
  * receive length, in bytes. In a step, a rank's buffer holds its largest send length (the
@@ -52,15 +69,39 @@ static void wait_for(Op *o, int who, long long epoch) {
     o->wait_epoch = epoch;
 }
 
+static inline volatile int64_t *fingerprint(Segment *s, int rank, long long step) {
+    return word(s, rank) + FP_WORD + 2 * (step & 1);
+}
+
+/* Publish this step's copy-in; the operation's first also publishes its fingerprint. */
 static void written(Op *o) {
     Segment *s = o->seg;
+    if (!o->signed_) {
+        volatile int64_t *fp = fingerprint(s, s->rank, o->step);
+        fp[0] = o->fp_count;
+        fp[1] = o->fp_sig;
+        o->signed_ = o->check = 1;
+    }
     publish(s);
     s->last_written = s->epoch;
 }
 
-/* Start the next chunk (its step waits for its buffer to be free): 1 once there is none. */
+/* 1 if every rank's fingerprint of the current step is this rank's (read after the step's wait on all). */
+static int fingerprints_match(Op *o) {
+    Segment *s = o->seg;
+    int r;
+    for (r = 0; r < s->size; r++) {
+        volatile int64_t *fp = fingerprint(s, r, o->step);
+        if (fp[0] != o->fp_count || fp[1] != o->fp_sig)
+            return 0;
+    }
+    return 1;
+}
+
+/* Start the next chunk (its step waits for its buffer to be free): 1 once there is none. An
+ * empty operation takes one step too: its fingerprint is checked like the others'. */
 static int next_chunk(Op *o) {
-    if (o->pos >= o->n)
+    if (o->pos >= o->n && o->step)
         return 1;
     o->len = o->n - o->pos < o->chunk ? o->n - o->pos : o->chunk;
     begin_step(o);
@@ -206,6 +247,11 @@ static int run_broadcast(Op *o) {
             if (me == o->root)
                 copy(buffer(s, me, o->step), o->data + o->pos, o->len);
             written(o);
+            if (o->check) { /* the first step: every rank reads every fingerprint, the root's too */
+                wait_for(o, -1, s->epoch);
+                o->phase = 2;
+                return 0;
+            }
             if (me == o->root) {
                 o->pos += o->len;
                 o->phase = 0;
@@ -215,7 +261,8 @@ static int run_broadcast(Op *o) {
             o->phase = 2;
             return 0;
         case 2:
-            copy(o->data + o->pos, buffer(s, o->root, o->step), o->len);
+            if (me != o->root)
+                copy(o->data + o->pos, buffer(s, o->root, o->step), o->len);
             o->pos += o->len;
             o->phase = 0;
             break;
@@ -224,10 +271,14 @@ static int run_broadcast(Op *o) {
 }
 
 static int run_barrier(Op *o) {
-    if (o->phase == 0) {
-        o->seg->steps += 1;
-        written_wait_all(o);
+    switch (o->phase) {
+    case 0: /* its fingerprint's half of the header line must be free, as a buffer must */
+        begin_step(o);
         o->phase = 1;
+        return 0;
+    case 1:
+        written_wait_all(o);
+        o->phase = 2;
         return 0;
     }
     return 1;
@@ -301,8 +352,6 @@ static int run_all_to_all(Op *o) {
                     if (r != me && PART(o, A2A_SEND_LEN, r) > most)
                         most = PART(o, A2A_SEND_LEN, r);
                 memcpy(mine, &most, sizeof most);
-                copy(o->data + PART(o, A2A_RECV_OFF, me), o->input + PART(o, A2A_SEND_OFF, me),
-                     PART(o, A2A_SEND_LEN, me));
             }
             for (r = 0; r < size; r++) {
                 left = PART(o, A2A_SEND_LEN, r) - o->pos;
@@ -323,6 +372,8 @@ static int run_all_to_all(Op *o) {
                         most = theirs;
                 }
                 o->n = most > 0 ? (most + o->chunk - 1) / o->chunk : 1;
+                copy(o->data + PART(o, A2A_RECV_OFF, me), o->input + PART(o, A2A_SEND_OFF, me),
+                     PART(o, A2A_SEND_LEN, me));
             }
             for (r = 0; r < size; r++) {
                 left = PART(o, A2A_RECV_LEN, r) - o->pos;

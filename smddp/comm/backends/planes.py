@@ -5,12 +5,15 @@ Each composes communicators it is given; neither knows which library is beneath 
 - :class:`ShmCommunicator`: every rank of the group on one host. all_reduce,
   reduce_scatter, all_gather, broadcast, barrier and (compiled core) all-to-all go through
   shared memory (:mod:`smddp.comm.backends.shm`); point-to-point, and all-to-all without the
-  compiled core, through ``flat`` (the group's MPI or gloo communicator).
+  compiled core, through ``flat`` (the group's MPI or gloo communicator). The plane compares
+  every collective's fingerprint; after a mismatch (raised on every rank) it goes on.
 - :class:`HierarchicalCommunicator`: several hosts with the same number of ranks each.
   all_reduce of ``min_bytes`` or more is a reduce-scatter within the host (shared memory), an
   all-reduce of each rank's part with the same local rank of the other hosts (``across``: MPI
   under an MPI launcher, gloo otherwise) and an all-gather within the host; everything else
-  goes through ``flat``.
+  goes through ``flat``. Its ranks compare fingerprints within the host only: after a
+  mismatch there the ranks of other hosts may already be in the step between hosts, so every
+  later collective of this communicator raises (the job is broken).
 
 :mod:`smddp.comm.cpu` chooses and builds them. :attr:`planes_used` records which plane each
 collective took; with ``debug`` set, the first use of each is printed.
@@ -25,6 +28,7 @@ import torch
 
 from smddp.comm.backends.shm import Plane
 from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.errors import CollectiveError
 
 
 class _Composed(Communicator):
@@ -86,32 +90,32 @@ class ShmCommunicator(_Composed):
         # Python call less on the path of small all-reduces.
         self._used("all_reduce", "shm")
         self.all_reduce = self._shm.all_reduce
-        return self._shm.all_reduce(tensor, op)
+        return self._shm.all_reduce(tensor, op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
         """Rank r receives the reduction of slice r of flat ``input`` (``size * output.numel()`` elements)."""
         self._used("reduce_scatter", "shm")
-        return self._shm.reduce_scatter(output, input, op)
+        return self._shm.reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         self._used("broadcast", "shm")
-        return self._shm.broadcast(tensor, src)
+        return self._shm.broadcast(tensor, src, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         self._used("all_gather", "shm")
-        return self._shm.all_gather(output, input)
+        return self._shm.all_gather(output, input, tag)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_counts: Sequence[int],
                           input_counts: Sequence[int], tag: int) -> Pending:
         if self._shm.native:  # every rank of the plane voted the same way
             self._used("all_to_all_single", "shm")
-            return self._shm.all_to_all(output, input, output_counts, input_counts)
+            return self._shm.all_to_all(output, input, output_counts, input_counts, tag)
         self._used("all_to_all_single", self.flat.name)
         return self.flat.all_to_all_single(output, input, output_counts, input_counts, tag)
 
     def barrier(self, tag: int) -> Pending:
         self._used("barrier", "shm")
-        return self._shm.barrier()
+        return self._shm.barrier(tag)
 
 
 class HierarchicalCommunicator(_Composed):
@@ -133,8 +137,21 @@ class HierarchicalCommunicator(_Composed):
         super().__init__(ctx, shm, flat, debug)
         self.across = across
         self.min_bytes = min_bytes
+        if hasattr(across, "check_large"):
+            # gloo between hosts: fingerprints only where they ride with the data; a check
+            # of the parts between hosts would add a round trip to every large all-reduce.
+            across.check_large = False
+
+    def _in_step(self) -> None:
+        """Raise once this host's ranks have disagreed (the other hosts' may be waiting between hosts)."""
+        mismatch = self._shm.mismatch if self._shm is not None else None
+        if mismatch is not None:
+            raise CollectiveError(
+                f"the hierarchical CPU plane cannot go on after its ranks called different collectives "
+                f"(ranks on other hosts may still be in the step between hosts): {mismatch}")
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        self._in_step()
         if tensor.numel() * tensor.element_size() >= self.min_bytes:
             self._used("all_reduce", "hierarchical")
             return self._shm.all_reduce_across(tensor, op, self.across, self.size, tag)
@@ -146,23 +163,28 @@ class HierarchicalCommunicator(_Composed):
         return self.flat.native_reduce_scatter
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        self._in_step()
         self._used("reduce_scatter", self.flat.name)
         return self.flat.reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        self._in_step()
         self._used("broadcast", self.flat.name)
         return self.flat.broadcast(tensor, src, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
+        self._in_step()
         self._used("all_gather", self.flat.name)
         return self.flat.all_gather(output, input, tag)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_counts: Sequence[int],
                           input_counts: Sequence[int], tag: int) -> Pending:
+        self._in_step()
         self._used("all_to_all_single", self.flat.name)
         return self.flat.all_to_all_single(output, input, output_counts, input_counts, tag)
 
     def barrier(self, tag: int) -> Pending:
+        self._in_step()
         self._used("barrier", self.flat.name)
         return self.flat.barrier(tag)
 

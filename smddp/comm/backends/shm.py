@@ -26,6 +26,14 @@ same bits.
 
 The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 
+Every operation carries a fingerprint (kind, dtype, element count, root, reduction op,
+sequence number), written with its first step into the rank's header line, next to the
+epoch word the peers read anyway; that step waits for every rank (a broadcast's root too),
+and each rank compares every rank's fingerprint with its own before it uses their data.
+If they differ, every rank raises the same :class:`~smddp.errors.CollectiveMismatchError`
+after the same step and publish: no result is written, and the plane stays in step for the
+operations after it. An empty operation takes one step, for its fingerprint.
+
 The Python path's epoch words rely on x86-64's ordering of stores (data before flag; the
 compiled core uses release/acquire atomics); elsewhere :func:`supported` is False and the
 group's flat communicator (MPI or gloo) serves.
@@ -45,9 +53,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
 from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
 from smddp.comm.base import DONE, HALF, Op, Pending
+from smddp.comm.fingerprint import mismatch_error
+from smddp.errors import CollectiveMismatchError
 
 try:
     from smddp.comm.backends import _shm_native as native
@@ -65,15 +76,17 @@ NATIVE_ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 32 << 10))
 SPIN_NS = int(float(os.environ.get("SMDDP_SHM_SPIN_US", 20)) * 1000)
 _START_WAIT_NS = 20_000  # how long starting an operation waits on the peers before returning
 _TEST_WAIT_NS = 200_000  # ... and each test() (the engine's lock is held meanwhile)
-_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4,
-                torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8}
-_OP_CODES = {Op.SUM: 0, Op.AVERAGE: 1, Op.MIN: 2, Op.MAX: 3, Op.PRODUCT: 4}
+# The compiled core's codes are the fingerprint's: its nine dtypes come first in the table.
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(fingerprint.DTYPES[:9])}
+_OP_CODES = {op: i for i, op in enumerate(fingerprint.OPS)}
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
 #: Ranks per host the segment's header has epoch words for (one cache line each).
 MAX_LOCAL_RANKS = HEADER // _WORD
 #: The smallest buffer the plane runs with: every step then moves at least 64 bytes to each
 #: of up to MAX_LOCAL_RANKS peers (an all-to-all splits a step's buffer among them).
 MIN_SLOT_BYTES = 64 << 10
+#: What an operation raises when the ranks' fingerprints differ (the core's, the Python path's).
+_MISMATCHES = (CollectiveMismatchError,) + ((native.Mismatch,) if native is not None else ())
 _SPINS = 64  # the Python path's flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
 
@@ -101,6 +114,12 @@ class Plane(TorchOps):
 
     def __init__(self, host, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False):
         self.rank, self.size = host.rank, host.size
+        mates = getattr(host, "mates", None)
+        #: The group rank of each of the plane's ranks (errors name them).
+        self.names = list(mates.ranks) if mates is not None else list(range(self.size))
+        self.group = group
+        #: The mismatch this plane last raised, if any (the hierarchical plane stops after one).
+        self.mismatch: Optional[CollectiveMismatchError] = None
         self.slot = slot
         self.name, self._mm = map_segment(host, group, segment_bytes(self.size, slot))
         self._words = memoryview(self._mm).cast("q")
@@ -126,14 +145,14 @@ class Plane(TorchOps):
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int = 0) -> Pending:
         """Reduce flat contiguous ``tensor`` in place over the plane's ranks.
 
-        ``tag``: not used (the plane's queue orders its operations); taken so that a
-        communicator can bind this method as its own ``all_reduce``.
+        ``tag``: the collective's sequence number, part of its fingerprint (the signature of a
+        communicator's ``all_reduce``, which may bind this method as its own).
         """
         code = self._codes.get(tensor.dtype)
         if code is None:
-            return self.start(self._all_reduce_gen(tensor, op))
+            return self.start(self._all_reduce_gen(tensor, op, tag))
         return self._run(self._seg.all_reduce(
-            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX), tensor)
+            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX, tag), tensor)
 
     def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int) -> Pending:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
@@ -151,7 +170,7 @@ class Plane(TorchOps):
         if code is None or tensor.dtype in HALF:
             return self.start(self._all_reduce_across_gen(tensor, op, across, world, tag))
         native_op = self._seg.all_reduce_across(tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op],
-                                                CHUNK_BYTES, world)
+                                                CHUNK_BYTES, world, tag)
         return self.start(self._across_native_gen(native_op, tensor.view(-1), across, op, tag))
 
     def _across_native_gen(self, native_op, flat: torch.Tensor, across, op: Op, tag: int) -> Iterator:
@@ -168,41 +187,51 @@ class Plane(TorchOps):
                 yield across.all_reduce(flat[first:first + count], across_op, tag)
             native_op.resume()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Pending:
-        """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int = 0) -> Pending:
+        """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``.
+
+        ``tag``, here and below: the collective's sequence number, part of its fingerprint.
+        """
         code = self._codes.get(input.dtype)
         if code is None:
-            return self.start(self._reduce_scatter_gen(output, input, op))
+            return self.start(self._reduce_scatter_gen(output, input, op, tag))
         return self._run(self._seg.reduce_scatter(
-            output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], CHUNK_BYTES), (output, input))
+            output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], CHUNK_BYTES, tag),
+            (output, input))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int = 0) -> Pending:
         """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
         if not self.native:
-            return self.start(self._all_gather_gen(output, input))
+            return self.start(self._all_gather_gen(output, input, tag))
         return self._run(self._seg.all_gather(
-            output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), CHUNK_BYTES), (output, input))
+            output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), CHUNK_BYTES,
+            fingerprint.dtype_code(input.dtype), input.numel(), tag), (output, input))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
         """Copy rank ``src``'s flat ``tensor`` into every rank's."""
         if not self.native:
-            return self.start(self._broadcast_gen(tensor, src))
+            return self.start(self._broadcast_gen(tensor, src, tag))
         return self._run(self._seg.broadcast(
-            tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES), tensor)
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES,
+            fingerprint.dtype_code(tensor.dtype), tensor.numel(), tag), tensor)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts, input_counts) -> Pending:
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts, input_counts,
+                   tag: int = 0) -> Pending:
         """Send ``input_counts[r]`` elements of flat ``input`` (consecutive, rank order) to rank r;
-        receive ``output_counts[r]`` from rank r into flat ``output``. Compiled core only."""
+        receive ``output_counts[r]`` from rank r into flat ``output``. Compiled core only.
+
+        Its fingerprint has the dtype, not the counts (they differ from rank to rank).
+        """
         es = input.element_size()
         return self._run(self._seg.all_to_all(
             output.data_ptr(), input.data_ptr(), [c * es for c in input_counts], [c * es for c in output_counts],
-            CHUNK_BYTES), (output, input))
+            CHUNK_BYTES, fingerprint.dtype_code(input.dtype), tag), (output, input))
 
-    def barrier(self) -> Pending:
+    def barrier(self, tag: int = 0) -> Pending:
         """Complete once every rank of the plane has entered it."""
         if not self.native:
-            return self.start(self._barrier_gen())
-        return self._run(self._seg.barrier(), None)
+            return self.start(self._barrier_gen(tag))
+        return self._run(self._seg.barrier(tag), None)
 
     def _publish(self) -> int:
         if self._seg is not None:
@@ -234,9 +263,18 @@ class Plane(TorchOps):
                     return DONE
             op = _Op(self, None, native_op, keep)
             self._queue.append(op)
+        except _MISMATCHES as exc:
+            raise self._mismatched(exc) from None
         finally:
             self._lock.release()
         return op
+
+    def _mismatched(self, exc: BaseException) -> CollectiveMismatchError:
+        """The error of an operation whose fingerprints differ (the core's Mismatch, or the Python path's)."""
+        if not isinstance(exc, CollectiveMismatchError):
+            exc = mismatch_error(exc.args[0], self.names, "the shared-memory plane", self.group)
+        self.mismatch = exc
+        return exc
 
     def _advance(self, wait_ns: int) -> None:
         """Run queued operations until one must wait for other ranks (lock held).
@@ -264,6 +302,11 @@ class Plane(TorchOps):
                 except StopIteration:
                     op.done = True
                     queue.popleft()
+            except _MISMATCHES as exc:
+                # Every rank stopped it after the same step: the ones behind it run as usual.
+                op.error, op.done, op.keep = self._mismatched(exc), True, None
+                queue.popleft()
+                self._waiting_since = 0.0
             except BaseException as exc:
                 # The buffers are in an unknown state: every later operation fails too.
                 for other in queue:

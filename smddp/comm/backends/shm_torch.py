@@ -6,6 +6,10 @@ None, epoch)`` on the epoch words, or a Pending (the hierarchical plane's step b
 hosts). :class:`~smddp.comm.backends.shm.Plane` drives them; it runs the same protocol in its
 compiled core where that is built, and these wherever it is not, for the hierarchical plane's
 half-precision all-reduces, and with ``SMDDP_SHM_NATIVE=0``.
+
+Every operation's first step also writes its fingerprint next to the rank's epoch word and,
+once every rank has published that step, compares every rank's with its own before it uses
+their data (:meth:`TorchOps._check`); the compiled core does the same.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from smddp.comm.backends.shm_segment import HEADER
 from smddp.comm.base import HALF as _HALF
 from smddp.comm.base import Op, average, combine
+from smddp.comm.fingerprint import Print, mismatch_error, signature
 
 #: All-reduces up to this many bytes run in one step (every rank reduces everything). Fixed:
 #: ``SMDDP_SHM_ONE_SHOT_MAX`` tunes the compiled core, whose copies cost less per step.
@@ -24,7 +29,9 @@ ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
-
+#: int64 index, in a rank's header line, of its fingerprint of even steps (odd: the next two).
+#: The line holds, before it, the epoch word, the pid and the compiled core's sleeper count.
+FP_WORD = 4
 class Counters:
     """Where this rank is in the protocol (the compiled core's ``Segment`` has the same fields)."""
 
@@ -41,7 +48,8 @@ class TorchOps:
 
     Needs, from the class that mixes it in: ``rank``, ``size``, ``slot``, ``_bytes`` (the
     segment as uint8), ``_words`` (its int64 words), ``_stride`` (words between two ranks'
-    epoch words), ``_state`` (:class:`Counters`) and ``_cache`` (a dict).
+    epoch words), ``_state`` (:class:`Counters`), ``_cache`` (a dict), ``names`` (each plane
+    rank's group rank) and ``group`` (the group's name).
     """
 
     # ------------------------------------------------------------------ primitives
@@ -92,21 +100,40 @@ class TorchOps:
         if not self._reached((None, state.last_written)):
             yield (None, state.last_written)
 
-    def _written(self) -> int:
+    def _written(self, fp: Optional[Print] = None) -> int:
+        """Publish this step's copy-in; ``fp``: the operation's fingerprint (its first step)."""
+        if fp is not None:
+            at = self.rank * self._stride + FP_WORD + 2 * (self._state.steps % 2)
+            self._words[at], self._words[at + 1] = fp
         self._state.last_written = self._publish()
         return self._state.last_written
 
+    def _check(self, fp: Optional[Print]) -> None:
+        """After the first step's wait on every rank: raise if a rank's fingerprint is not ``fp``.
+
+        Raises:
+            CollectiveMismatchError: on every rank, which all stop after the same step.
+        """
+        if fp is None:
+            return
+        words, stride = self._words, self._stride
+        at = FP_WORD + 2 * (self._state.steps % 2)
+        prints = [(words[r * stride + at], words[r * stride + at + 1]) for r in range(self.size)]
+        if any(p != fp for p in prints):
+            raise mismatch_error(prints, self.names, "the shared-memory plane", self.group)
+
     # ------------------------------------------------------------------ operations
-    def _all_reduce_gen(self, tensor: torch.Tensor, op: Op) -> Iterator[_Wait]:
-        """Reduce flat contiguous ``tensor`` in place over the plane's ranks."""
+    def _all_reduce_gen(self, tensor: torch.Tensor, op: Op, seq: int) -> Iterator[_Wait]:
+        """Reduce flat contiguous ``tensor`` in place over the plane's ranks; ``seq``: its number."""
         flat = tensor.view(-1)
+        fp = (flat.numel(), signature(seq, "all_reduce", flat.dtype, op))
         nbytes = flat.numel() * flat.element_size()
         if nbytes <= min(ONE_SHOT_MAX, self.slot):
-            yield from self._reduce_one_shot(flat, op)
+            yield from self._reduce_one_shot(flat, op, fp)
             return
         per_step = self.slot // flat.element_size()
         for start in range(0, flat.numel(), per_step):
-            yield from self._reduce_slice(flat[start:start + per_step], op)
+            yield from self._reduce_slice(flat[start:start + per_step], op, fp if start == 0 else None)
 
     def _fold(self, out: torch.Tensor, parts: List[torch.Tensor], op: Op, scale: bool) -> None:
         """``out`` = the ``op`` of ``parts`` in rank order; half types accumulate in float32.
@@ -137,14 +164,15 @@ class TorchOps:
         if acc is not out:
             out.copy_(acc)
 
-    def _reduce_one_shot(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
+    def _reduce_one_shot(self, flat: torch.Tensor, op: Op, fp: Print) -> Iterator[_Wait]:
         yield from self._step()
         views = self._views(self._state.steps, flat.dtype, flat.numel())
         views[self.rank].copy_(flat)
-        yield (None, self._written())
+        yield (None, self._written(fp))
+        self._check(fp)
         self._fold(flat, views, op, True)
 
-    def _reduce_slice(self, flat: torch.Tensor, op: Op) -> Iterator[_Wait]:
+    def _reduce_slice(self, flat: torch.Tensor, op: Op, fp: Optional[Print]) -> Iterator[_Wait]:
         yield from self._step()
         n = flat.numel()
         views = self._views(self._state.steps, flat.dtype, n)
@@ -154,7 +182,8 @@ class TorchOps:
         # Publish only what the others reduce; this rank's own part stays private until reduced.
         mine[:lo].copy_(flat[:lo])
         mine[hi:].copy_(flat[hi:])
-        yield (None, self._written())
+        yield (None, self._written(fp))
+        self._check(fp)
         parts = [flat[lo:hi] if r == self.rank else views[r][lo:hi] for r in range(self.size)]
         self._fold(mine[lo:hi], parts, op, True)
         flat[lo:hi].copy_(mine[lo:hi])
@@ -170,18 +199,21 @@ class TorchOps:
 
         Per slice: each local rank reduces its part of the slice over the host, all-reduces that
         part with the same local rank of every other host (float32 for half types), and the
-        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE.
+        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE; ``tag`` is
+        the collective's sequence number.
         """
         across_op = Op.SUM if op is Op.AVERAGE else op
         flat = tensor.view(-1)
+        fp = (flat.numel(), signature(tag, "all_reduce", flat.dtype, op))
         per_step = self.slot // flat.element_size()
-        for begin in range(0, flat.numel(), per_step):
+        for begin in range(0, max(flat.numel(), 1), per_step):
             part = flat[begin:begin + per_step]
             yield from self._step()
             step, n = self._state.steps, part.numel()
             mine = self._view(self.rank, step, part.dtype, n)
             mine.copy_(part)
-            yield (None, self._written())
+            yield (None, self._written(fp if begin == 0 else None))
+            self._check(fp if begin == 0 else None)
             bounds = _bounds(n, self.size)
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
             target = part[lo:hi]
@@ -199,56 +231,72 @@ class TorchOps:
                 if r != self.rank:
                     part[bounds[r]:bounds[r + 1]].copy_(self._view(r, step, part.dtype, n)[bounds[r]:bounds[r + 1]])
 
-    def _reduce_scatter_gen(self, output: torch.Tensor, input: torch.Tensor, op: Op) -> Iterator[_Wait]:
+    def _reduce_scatter_gen(self, output: torch.Tensor, input: torch.Tensor, op: Op, seq: int
+                            ) -> Iterator[_Wait]:
         """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
         m = output.numel()
         rows = input.view(self.size, m)
         out = output.view(-1)
+        fp = (m, signature(seq, "reduce_scatter", input.dtype, op))
         per_step = max(1, self.slot // (input.element_size() * self.size))
-        for start in range(0, m, per_step):
+        for start in range(0, max(m, 1), per_step):
             length = min(per_step, m - start)
             yield from self._step()
             step = self._state.steps
             cells = self._view(self.rank, step, input.dtype, self.size * length).view(self.size, length)
             cells.copy_(rows[:, start:start + length])
-            yield (None, self._written())
+            yield (None, self._written(fp if start == 0 else None))
+            self._check(fp if start == 0 else None)
             lo = self.rank * length
             parts = [self._view(r, step, input.dtype, self.size * length)[lo:lo + length] for r in range(self.size)]
             self._fold(out[start:start + length], parts, op, True)
 
-    def _all_gather_gen(self, output: torch.Tensor, input: torch.Tensor) -> Iterator[_Wait]:
+    def _all_gather_gen(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Iterator[_Wait]:
         """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
         m = input.numel()
         src, out = input.view(-1), output.view(-1)
+        fp = (m, signature(seq, "all_gather", input.dtype))
         per_step = max(1, self.slot // input.element_size())
-        for start in range(0, m, per_step):
+        for start in range(0, max(m, 1), per_step):
             length = min(per_step, m - start)
             yield from self._step()
             step = self._state.steps
             self._view(self.rank, step, input.dtype, length).copy_(src[start:start + length])
-            yield (None, self._written())
+            yield (None, self._written(fp if start == 0 else None))
+            self._check(fp if start == 0 else None)
             for r in range(self.size):
                 out[r * m + start:r * m + start + length].copy_(self._view(r, step, input.dtype, length))
 
-    def _broadcast_gen(self, tensor: torch.Tensor, src: int) -> Iterator[_Wait]:
-        """Copy rank ``src``'s flat ``tensor`` into every rank's."""
+    def _broadcast_gen(self, tensor: torch.Tensor, src: int, seq: int) -> Iterator[_Wait]:
+        """Copy rank ``src``'s flat ``tensor`` into every rank's.
+
+        The first step waits for every rank (each checks every fingerprint, the root too);
+        the others, for the root only.
+        """
         flat = tensor.view(-1)
+        fp = (flat.numel(), signature(seq, "broadcast", flat.dtype, root=src))
         per_step = max(1, self.slot // flat.element_size())
-        for start in range(0, flat.numel(), per_step):
+        for start in range(0, max(flat.numel(), 1), per_step):
             part = flat[start:start + per_step]
             yield from self._step()
             step = self._state.steps
             if self.rank == src:
                 self._view(src, step, part.dtype, part.numel()).copy_(part)
-            epoch = self._written()
-            if self.rank != src:
+            epoch = self._written(fp if start == 0 else None)
+            if start == 0:
+                yield (None, epoch)
+                self._check(fp)
+            elif self.rank != src:
                 yield (src, epoch)
+            if self.rank != src:
                 part.copy_(self._view(src, step, part.dtype, part.numel()))
 
-    def _barrier_gen(self) -> Iterator[_Wait]:
+    def _barrier_gen(self, seq: int) -> Iterator[_Wait]:
         """Complete once every rank of the plane has entered it."""
-        self._state.steps += 1
-        yield (None, self._written())
+        fp = (-1, signature(seq, "barrier"))
+        yield from self._step()  # the fingerprint's half of the header line must be free
+        yield (None, self._written(fp))
+        self._check(fp)
 
 
 def _bounds(n: int, parts: int) -> List[int]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from smddp import _excepthook
 from smddp.comm.engine import stall as _stall
-from smddp.errors import CollectiveError, CollectiveTimeout
+from smddp.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 
 if TYPE_CHECKING:
     from smddp.comm.engine.handle import Handle
@@ -91,7 +91,9 @@ class Health:
             )
             wrapped.__cause__ = exc
             exc = wrapped
-        if self._broken is None:
+        # A mismatch found before any data was used (the shared-memory plane's fingerprints)
+        # leaves the ranks in step: raised on every rank, it breaks nothing.
+        if self._broken is None and not isinstance(exc, CollectiveMismatchError):
             self._broken = exc
         return exc
 
