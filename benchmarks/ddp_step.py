@@ -66,23 +66,16 @@ def worker(args: argparse.Namespace) -> None:
     from smddp.torch.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group()
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     gloo = tdist.new_group(backend="gloo")
 
     dims = _layers(args.layers)
-
-    def mlp() -> torch.nn.Module:
-        torch.manual_seed(0)
-        layers: List[torch.nn.Module] = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-        return torch.nn.Sequential(*layers[:-1])
 
     def no_hook_ddp(**kwargs) -> torch.nn.Module:
         saved = os.environ.get("SMDDP_DDP_HOOK")
         os.environ["SMDDP_DDP_HOOK"] = "0"  # read when the model is wrapped
         try:
-            return DDP(mlp(), **kwargs)
+            return DDP(mlp(dims), **kwargs)
         finally:
             if saved is None:
                 del os.environ["SMDDP_DDP_HOOK"]
@@ -95,14 +88,42 @@ def worker(args: argparse.Namespace) -> None:
         return future
 
     models = {
-        "smddp": DDP(mlp()),
+        "smddp": DDP(mlp(dims)),
         "smddp-no-hook": no_hook_ddp(),
         "smddp-torch-path": no_hook_ddp(gradient_as_bucket_view=False),
-        "torch-gloo": torch.nn.parallel.DistributedDataParallel(mlp(), process_group=gloo),
-        "no-comm": DDP(mlp()),
-        "compute": mlp(),
+        "torch-gloo": torch.nn.parallel.DistributedDataParallel(mlp(dims), process_group=gloo),
+        "no-comm": DDP(mlp(dims)),
+        "compute": mlp(dims),
     }
     models["no-comm"].register_comm_hook(None, unreduced)
+    results = timed_rounds(models, args, gloo, rank, dims)
+    finish(args, results, {"params": sum(p.numel() for p in models["compute"].parameters()),
+                           "backend": dist.get_backend(), "bucket_mb": models["smddp"].bucket_bytes_cap / 2**20,
+                           "smddp_hook": [h.__qualname__ for h, _ in models["smddp"]._comm_hooks]})
+
+
+def mlp(dims: List[int]):
+    """The benchmarks' model: ``Linear`` layers of the given widths with ``ReLU`` between, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    layers: List[torch.nn.Module] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def timed_rounds(models: dict, args: argparse.Namespace, group, rank: int, dims: List[int]) -> dict:
+    """Time ``--block`` SGD steps of each model in turn, ``--warmup`` + ``--rounds`` rounds, order rotating.
+
+    Every rank trains on its own seeded batch; a barrier on ``group`` starts each contender's block.
+
+    Returns:
+        ``{"times": {name: [seconds]}, "phases": {name: [(forward, backward, optimizer)]}}``.
+    """
+    import torch
+    import torch.distributed as tdist
+
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, dims[0], generator=gen)
@@ -125,26 +146,31 @@ def worker(args: argparse.Namespace) -> None:
     order = list(models)
     for rnd in range(args.warmup + args.rounds):
         for name in order:
-            tdist.barrier(group=gloo)
+            tdist.barrier(group=group)
             for _ in range(args.block):
                 elapsed, parts = step(name)
                 if rnd >= args.warmup:
                     times[name].append(elapsed)
                     phases[name].append(parts)
         order = order[1:] + order[:1]
+    return {"times": times, "phases": phases}
 
-    params = sum(p.numel() for p in models["compute"].parameters())
-    gathered: List[dict] = [None] * size  # type: ignore[list-item]
+
+def finish(args: argparse.Namespace, results: dict, meta: dict) -> None:
+    """Gather every rank's ``results``; rank 0 writes them with ``meta`` to ``--worker-out``; end smddp."""
+    import torch.distributed as tdist
+
+    import smddp.torch.distributed as dist
+
+    rank = dist.get_rank()
+    gathered: List[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     # Over smddp's group, not gloo's: torch's gloo group joins its worker threads holding the
     # GIL when it is destroyed, and a worker still releasing an all_gather's Python tensors
     # waits for the GIL (a hang at exit: torch issue 56297).
-    tdist.all_gather_object(gathered, {"rank": rank, "times": times, "phases": phases})
+    tdist.all_gather_object(gathered, {"rank": rank, **results})
     if rank == 0:
         with open(args.worker_out, "w") as f:
-            json.dump({"ranks": size, "params": params, "backend": dist.get_backend(),
-                       "bucket_mb": models["smddp"].bucket_bytes_cap / 2**20,
-                       "smddp_hook": [h.__qualname__ for h, _ in models["smddp"]._comm_hooks],
-                       "per_rank": gathered}, f)
+            json.dump({"ranks": len(gathered), **meta, "per_rank": gathered}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -224,7 +250,8 @@ def collect(args: argparse.Namespace, script: str, contenders: Sequence[str], ph
     Returns:
         The report's common part: command, machine, versions, setup, ``ms_per_step`` (per world
         size and contender: median, p10, p90), ``per_job`` (each parallel job's medians),
-        ``phases_ms`` (the parallel jobs' median of each phase) and ``over_floor``.
+        ``phases_ms`` (the parallel jobs' median of each phase), ``over_floor`` (each contender
+        over ``compute``) and ``speedup`` (``torch-gloo`` over ``smddp``).
     """
     name = os.path.splitext(os.path.basename(script))[0]
     versions = _versions()
@@ -266,6 +293,7 @@ def collect(args: argparse.Namespace, script: str, contenders: Sequence[str], ph
         "per_job": per_job,
         "phases_ms": {c: {p: _median_ms([t[i] for t in parts[c]]) for i, p in enumerate(phases)} for c in contenders},
         "over_floor": {c: ms[args.ranks][c]["median"] / ms[args.ranks]["compute"]["median"] for c in contenders},
+        "speedup": ms[args.ranks]["torch-gloo"]["median"] / ms[args.ranks]["smddp"]["median"],
     }
 
 
@@ -291,7 +319,6 @@ def footer(report: dict) -> List[str]:
 def driver(args: argparse.Namespace) -> dict:
     report = collect(args, __file__, CONTENDERS, PHASES)
     two, one = report["ms_per_step"][args.ranks], report["ms_per_step"][1]
-    report["speedup"] = two["torch-gloo"]["median"] / two["smddp"]["median"]
     report["speedup_torch_path"] = two["torch-gloo"]["median"] / two["smddp-torch-path"]["median"]
     report["speedup_ceiling"] = two["torch-gloo"]["median"] / two["no-comm"]["median"]
     report["scaling_efficiency"] = {c: one[c]["median"] / two[c]["median"] for c in CONTENDERS if c != "compute"}
@@ -368,16 +395,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+def run(argv, description: str, worker_fn, driver_fn, format_fn) -> None:
+    """A step benchmark's entry point: a rank (``--worker``), or the driver that prints (and saves) the report."""
+    parser = build_parser()
+    parser.description = description
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args)
+        worker_fn(args)
         return
-    report = driver(args)
-    print(format_report(report))
+    report = driver_fn(args)
+    print(format_fn(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def main(argv=None) -> None:
+    run(argv, __doc__.split("\n")[0], worker, driver, format_report)
 
 
 if __name__ == "__main__":

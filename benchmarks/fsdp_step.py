@@ -25,11 +25,8 @@ the median over every step of every rank. One thread per rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ddp_step  # noqa: E402 - the shared driver, next to this file
@@ -47,72 +44,26 @@ def worker(args: argparse.Namespace) -> None:
     import smddp.torch.distributed as dist
 
     dist.init_process_group()
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     gloo = tdist.new_group(backend="gloo")
     dims = ddp_step._layers(args.layers)
 
-    def mlp() -> torch.nn.Module:
-        torch.manual_seed(0)
-        layers: List[torch.nn.Module] = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-        return torch.nn.Sequential(*layers[:-1])
-
     def sharded(group) -> torch.nn.Module:
-        model = mlp()
+        model = ddp_step.mlp(dims)
         mesh = DeviceMesh.from_group(group, "cpu")
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    models = {"smddp": sharded(tdist.group.WORLD), "torch-gloo": sharded(gloo), "compute": mlp()}
-    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, dims[0], generator=gen)
-    y = torch.randint(0, dims[-1], (args.batch_size,), generator=gen)
-
-    def step(name: str) -> tuple:
-        model, opt = models[name], optimizers[name]
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        forward = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter()
-        opt.step()
-        end = time.perf_counter()
-        return end - start, (forward - start, backward - forward, end - backward)
-
-    times: Dict[str, List[float]] = {name: [] for name in models}
-    phases: Dict[str, List[tuple]] = {name: [] for name in models}
-    order = list(models)
-    for rnd in range(args.warmup + args.rounds):
-        for name in order:
-            tdist.barrier(group=gloo)
-            for _ in range(args.block):
-                elapsed, parts = step(name)
-                if rnd >= args.warmup:
-                    times[name].append(elapsed)
-                    phases[name].append(parts)
-        order = order[1:] + order[:1]
-
-    gathered: List[dict] = [None] * size  # type: ignore[list-item]
-    # Over smddp's group: torch's gloo group can hang at exit after an object collective (torch issue 56297).
-    tdist.all_gather_object(gathered, {"rank": rank, "times": times, "phases": phases})
-    if rank == 0:
-        with open(args.worker_out, "w") as f:
-            json.dump({"params": sum(p.numel() for p in models["compute"].parameters()),
-                       "backend": dist.get_backend(), "per_rank": gathered}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    models = {"smddp": sharded(tdist.group.WORLD), "torch-gloo": sharded(gloo), "compute": ddp_step.mlp(dims)}
+    results = ddp_step.timed_rounds(models, args, gloo, rank, dims)
+    ddp_step.finish(args, results, {"params": sum(p.numel() for p in models["compute"].parameters()),
+                                    "backend": dist.get_backend()})
 
 
 def driver(args: argparse.Namespace) -> dict:
-    report = ddp_step.collect(args, __file__, CONTENDERS, ddp_step.PHASES)
-    two = report["ms_per_step"][args.ranks]
-    report["speedup"] = two["torch-gloo"]["median"] / two["smddp"]["median"]
-    return report
+    return ddp_step.collect(args, __file__, CONTENDERS, ddp_step.PHASES)
 
 
 def format_report(report: dict) -> str:
@@ -147,17 +98,7 @@ def format_report(report: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = ddp_step.build_parser()
-    parser.description = __doc__.split("\n")[0]
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return
-    report = driver(args)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    ddp_step.run(argv, __doc__.split("\n")[0], worker, driver, format_report)
 
 
 if __name__ == "__main__":
