@@ -10,7 +10,7 @@ import torch
 
 from smddp import bench
 
-from launchers import mpirun, python, torchrun, untagged
+from launchers import ROOT, mpirun, python, torchrun, untagged
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -253,3 +253,20 @@ def test_expected_slices_and_chunked_check_agree_with_the_whole(op):
             broken = full.clone()
             broken[-1] += 1
             assert bench.check_result(broken, op, rank, n, 10, torch.float32, "avg", n - 1, chunk=7) == 1
+
+
+# ---------------------------------------------------------------------------- step benchmarks
+@pytest.mark.mpi
+@pytest.mark.parametrize("script, rows", [
+    ("ddp_step.py", ("smddp DDP (its defaults)", "no hook (SMDDP_DDP_HOOK=0)", "torch DDP on gloo",
+                     "no communication", "no DDP (compute only)")),
+    ("fsdp_step.py", ("fully_shard on smddp", "fully_shard on gloo", "no FSDP (compute only)")),
+])
+def test_step_benchmark_tiny_run_reports_every_contender(script, rows):
+    """One tiny job per world size under mpirun: the report has every contender's row and the machine."""
+    res = python([str(ROOT / "benchmarks" / script), "--jobs", "1", "--rounds", "1", "--warmup", "0",
+                  "--block", "1", "--layers", "16,32,8"], timeout=240)
+    res.check()
+    for row in rows:
+        assert any(line.startswith("| ") and row in line for line in res.stdout.splitlines()), (row, res.output)
+    assert "load average" in res.stdout and "command: python" in res.stdout, res.output

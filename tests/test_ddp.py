@@ -2,7 +2,10 @@
 
 ``scripts/ddp_checks.py`` runs every DDP check in one job per world size (exact gradients
 against single-process training, small buckets, different starting weights, ``no_sync``,
-buffers, ``state_dict``, errors); each rank prints ``OK <rank> <check>``.
+smddp's communication hook and a caller's own, issue order, ``join()`` with uneven inputs,
+``find_unused_parameters``, bfloat16, buffers, ``state_dict``, errors); each rank prints
+``OK <rank> <check>``, and ``HOOK <rank> <plane> on|off``: whether smddp's hook reduced the
+gradients (the shared-memory plane) or torch's path did (any other plane).
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ from launchers import ROOT, SCRIPTS, mpirun, python, torchrun
 
 CHECKS = {
     "before_init", "api", "errors", "exact", "exact_small_buckets_different_start", "exact_passthrough",
-    "no_sync", "buffers_broadcast", "buffers_local", "state_dict",
+    "no_sync", "hook", "order", "join", "unused", "bfloat16", "buffers_broadcast", "buffers_local", "state_dict",
 }
 EXAMPLE = str(ROOT / "examples" / "train.py")
 
 
 def passed_checks(output: str) -> dict:
     found: dict = {}
-    for rank, name in re.findall(r"OK (\d+) ([a-z_]+)", output):
+    for rank, name in re.findall(r"OK (\d+) ([a-z_0-9]+)", output):
         found.setdefault(int(rank), set()).add(name)
     return found
 
 
-def assert_all_checks(result, np: int, backend: str) -> None:
+def assert_all_checks(result, np: int, backend: str, hook: str = "shm on") -> None:
     result.check()
     found = passed_checks(result.stdout)
     for rank in range(np):
@@ -37,12 +40,21 @@ def assert_all_checks(result, np: int, backend: str) -> None:
         assert not missing, f"rank {rank} did not pass {sorted(missing)}\n{result.output}"
     done = {int(r): b for r, b in re.findall(r"DONE (\d+) ([a-z]+)", result.stdout)}
     assert done == {r: backend for r in range(np)}, result.output
+    hooks = dict(re.findall(r"HOOK (\d+) ([a-z]+ [a-z]+)", result.stdout))
+    assert hooks == {str(r): hook for r in range(np)}, result.output
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np", [2, 3])
 def test_ddp_mpirun(np):
     assert_all_checks(mpirun(np, [str(SCRIPTS / "ddp_checks.py")], timeout=240), np, "mpi")
+
+
+@pytest.mark.mpi
+def test_ddp_mpirun_mpi_plane_keeps_torchs_path():
+    """Off the shared-memory plane smddp installs no hook: torch's path, the same checks."""
+    result = mpirun(2, [str(SCRIPTS / "ddp_checks.py")], timeout=240, env={"SMDDP_CPU_PLANE": "mpi"})
+    assert_all_checks(result, 2, "mpi", hook="mpi off")
 
 
 def test_ddp_torchrun_gloo():

@@ -71,7 +71,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         self.engine = engine
         self._on_shutdown = on_shutdown
         self._group_name = ""
-        #: Device type to the seconds its torch-native backend took to create (see _native).
+        #: Device type to the seconds its torch-native backend took to create (see _functional_backends).
         self.native_backends = {}
         # MPI and the shared-memory planes move data only while a thread calls into them (gloo
         # has threads of its own): see _finish_with_backward.

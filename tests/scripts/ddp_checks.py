@@ -22,6 +22,7 @@ import smddp.torch.distributed as dist  # noqa: E402
 import smddp.torch.parallel  # noqa: E402
 from smddp._topology import discover  # noqa: E402
 from smddp.torch import groups  # noqa: E402
+from smddp.torch.parallel import _hook  # noqa: E402
 from smddp.torch.parallel.distributed import DistributedDataParallel as DDP  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -91,7 +92,8 @@ def check_api() -> None:
     assert DDP(net(0), bucket_cap_mb=2).bucket_bytes_cap == 2 * 1024 * 1024
     assert DDP(net(0), process_group=dist.group.WORLD) is not None
     assert DDP(net(0), process_group=tdist.group.WORLD) is not None  # torch's default group is smddp's
-    assert not model.gradient_as_bucket_view, "torch's default gradient_as_bucket_view=False is kept"
+    assert model.gradient_as_bucket_view, "smddp defaults to gradient_as_bucket_view=True"
+    assert not DDP(net(0), gradient_as_bucket_view=False).gradient_as_bucket_view
     flags = DDP(net(0), gradient_as_bucket_view=True, find_unused_parameters=True)
     assert flags.gradient_as_bucket_view and flags.find_unused_parameters
     ok("api")
@@ -155,6 +157,173 @@ def check_no_sync() -> None:
     for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
         close(p.grad, q.grad, f"accumulated gradient of {pname}")
     ok("no_sync")
+
+
+def gathered(t: torch.Tensor, gloo) -> list:
+    """Every rank's ``t``, over torch's own gloo group (not the code under test)."""
+    out = [torch.empty_like(t) for _ in range(SIZE)]
+    tdist.all_gather(out, t.contiguous(), group=gloo)
+    return out
+
+
+def same_on_every_rank(model: nn.Module, gloo, what: str) -> None:
+    """Every rank holds the same gradients, bit for bit."""
+    for pname, p in model.named_parameters():
+        for r, theirs in enumerate(gathered(p.grad, gloo)):
+            assert torch.equal(theirs, p.grad), f"rank {RANK}: {what}: {pname}'s gradient differs from rank {r}'s"
+
+
+def check_hook(gloo) -> None:
+    """Where smddp's hook goes in (the shared-memory plane), what it gives, and how a caller replaces it."""
+    engine = groups.current().engine
+    plane = engine.comms["cpu"].plane
+    model = DDP(net(0))
+    assert not model._comm_hooks, "smddp's hook was registered before the first forward"
+    loss_fn(model, *[shard(t, RANK) for t in global_batch(0)]).backward()
+    hooks = [hook for hook, _ in model._comm_hooks]
+    assert hooks == ([_hook.allreduce_hook] if plane == "shm" else []), (plane, hooks)
+    assert not _hook.completes_inline(engine, model.module, env={_hook.ENV: "0"})
+    say(f"HOOK {RANK} {plane} {'on' if hooks else 'off'}")
+    same_on_every_rank(model.module, gloo, "smddp's default path")
+    try:
+        model.register_comm_hook(None, lambda state, bucket: None)
+    except ValueError as exc:
+        assert hooks, f"registering a hook after the first forward raised without smddp's hook: {exc}"
+        assert "before the first forward" in str(exc) and _hook.ENV in str(exc), exc
+    else:
+        assert not hooks, "a second hook after smddp's did not raise"
+
+    def summed(state, bucket):
+        return tdist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    own = DDP(net(0))
+    own.register_comm_hook(None, summed)  # before the first forward: replaces smddp's
+    x, y = global_batch(1)
+    loss_fn(own, shard(x, RANK), shard(y, RANK)).backward()
+    reference = net(0)
+    for r in range(SIZE):
+        loss_fn(reference, shard(x, r), shard(y, r)).backward()  # the sum of every rank's gradient
+    assert [hook for hook, _ in own._comm_hooks] == [summed]
+    for (pname, p), q in zip(own.module.named_parameters(), reference.parameters()):
+        close(p.grad, q.grad, f"{pname}'s gradient through the caller's own hook")
+    ok("hook")
+
+
+def check_order() -> None:
+    """An all_reduce issued on the group before backward completes first, and both are right."""
+    model = DDP(net(0))
+    x, y = global_batch(3)
+    for _ in range(2):  # the hook goes in at the first step, the buckets are rebuilt at the second
+        loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+    model.zero_grad()
+    size = 3 << 20  # 12 MB: not done as it starts
+    stack = torch.stack([torch.randn(size, generator=torch.Generator().manual_seed(50 + r)) for r in range(SIZE)])
+    mine = stack[RANK].clone()
+    first = collectives()
+    work = tdist.all_reduce(mine, async_op=True)
+    loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+    assert work.is_completed(), "backward returned before the all_reduce issued ahead of it completed"
+    work.wait()
+    assert collectives() == first + 2, collectives() - first
+    expected = stack[0].clone()
+    for r in range(1, SIZE):
+        expected += stack[r]
+    close(mine, expected, "the all_reduce issued before backward", 1e-5, 1e-5)
+    reference = net(0)
+    for r in range(SIZE):
+        loss_fn(reference, shard(x, r), shard(y, r)).backward()
+    for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        close(p.grad, q.grad / SIZE, f"{pname}'s gradient behind an asynchronous all_reduce")
+    ok("order")
+
+
+def check_join(gloo) -> None:
+    """Uneven inputs under ``model.join()``: joined ranks contribute zeros; the average is over every rank."""
+    steps = [2 + r for r in range(SIZE)]  # rank r trains 2 + r batches
+    model = DDP(net(0), bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(steps[RANK]):
+            x, y = global_batch(30 + step)
+            opt.zero_grad()
+            loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+            opt.step()
+    reference = net(0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(max(steps)):
+        x, y = global_batch(30 + step)
+        ref_opt.zero_grad()
+        active = [r for r in range(SIZE) if step < steps[r]]
+        for r in active:
+            loss_fn(reference, shard(x, r), shard(y, r)).backward()
+        for q in reference.parameters():
+            q.grad /= SIZE  # divide_by_initial_world_size=True, torch's default
+        ref_opt.step()
+    for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        close(p.detach(), q.detach(), f"join: parameter {pname} after uneven inputs")
+        for r, theirs in enumerate(gathered(p.detach(), gloo)):
+            assert torch.equal(theirs, p.detach()), f"join: {pname} differs between ranks {RANK} and {r}"
+
+    # divide_by_initial_world_size=False: refused before anything is sent (see DDP.join_hook)
+    for hooked in (False, True):
+        other = DDP(net(0))
+        if hooked:
+            loss_fn(other, *[shard(t, RANK) for t in global_batch(40)]).backward()
+        try:
+            other.join(divide_by_initial_world_size=False)
+        except ValueError as exc:
+            assert "divide_by_initial_world_size=True" in str(exc), exc
+        else:
+            raise AssertionError("join(divide_by_initial_world_size=False) did not raise")
+    ok("join")
+
+
+def check_unused(gloo) -> None:
+    """find_unused_parameters=True: a branch unused on every rank keeps no gradient, the rest are averaged."""
+    torch.manual_seed(0)
+    body, unused = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.unused = copy.deepcopy(body), copy.deepcopy(unused)
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = DDP(TwoBranches(), find_unused_parameters=True)
+    reference = copy.deepcopy(body)
+    for step in range(2):
+        x, y = global_batch(60 + step)
+        model.zero_grad()
+        reference.zero_grad()
+        loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+        for r in range(SIZE):
+            loss_fn(reference, shard(x, r), shard(y, r)).backward()
+        assert model.module.unused.weight.grad is None, "an unused parameter got a gradient"
+        for pname, q in reference.named_parameters():
+            close(getattr(model.module.body, pname).grad, q.grad / SIZE, f"find_unused_parameters: {pname}")
+    same_on_every_rank(model.module.body, gloo, "find_unused_parameters")
+    ok("unused")
+
+
+def check_bf16() -> None:
+    """bfloat16 gradients: the average of every rank's, computed here in float32, rounded once."""
+    model = DDP(net(0).to(torch.bfloat16), bucket_cap_mb=0.0001)
+    x, y = global_batch(2)
+    x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+    loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+    grads = []
+    for r in range(SIZE):
+        local = net(0).to(torch.bfloat16)
+        loss_fn(local, shard(x, r), shard(y, r)).backward()
+        grads.append([q.grad.float() for q in local.parameters()])
+    for i, (pname, p) in enumerate(model.module.named_parameters()):
+        assert p.grad.dtype == torch.bfloat16, p.grad.dtype
+        want = (sum(g[i] for g in grads) / SIZE).to(torch.bfloat16)
+        # torch's default path (gloo) divides in bfloat16 before it sums: within a rounding
+        close(p.grad.float(), want.float(), f"bfloat16 gradient of {pname}", rtol=1e-2, atol=1e-3)
+    ok("bfloat16")
 
 
 def bn_net() -> nn.Module:
@@ -233,11 +402,12 @@ def check_state_dict(gloo) -> None:
 
 
 def main() -> None:
-    global RANK, SIZE
+    global RANK, SIZE, BACKEND
     RANK = discover(os.environ).rank
     check_before_init()
     dist.init_process_group()
     RANK, SIZE = dist.get_rank(), dist.get_world_size()
+    BACKEND = dist.get_backend()
     gloo = tdist.new_group(backend="gloo")
     check_api()
     check_errors(gloo)
@@ -245,6 +415,11 @@ def main() -> None:
     check_exact("exact_small_buckets_different_start", start_seed=RANK, bucket_cap_mb=0.0001, buckets="many")
     check_exact("exact_passthrough", start_seed=RANK, gradient_as_bucket_view=True, static_graph=True)
     check_no_sync()
+    check_hook(gloo)
+    check_order()
+    check_join(gloo)
+    check_unused(gloo)
+    check_bf16()
     check_buffers(True)
     check_buffers(False)
     check_state_dict(gloo)

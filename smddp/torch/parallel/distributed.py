@@ -1,9 +1,11 @@
 """smddp's ``DistributedDataParallel``: torch's DDP bound to smddp's process group.
 
 torch's reducer (bucketing, overlap with backward, ``no_sync``) does the work; smddp gives
-it the signature and defaults of smdistributed's DDP and its own process group, whose
-all-reduces are non-blocking and complete on the engine's progress thread, so a bucket is
-reduced while backward computes the next one.
+it the signature and defaults of smdistributed's DDP and its own process group. Where every
+rank shares one host (the shared-memory plane), a communication hook (:mod:`._hook`)
+all-reduces each bucket in the backward thread; elsewhere the group's all-reduces are
+non-blocking and complete on the engine's progress thread while backward goes on.
+``gradient_as_bucket_view`` defaults to True (one copy of the gradients less per step).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from smddp.errors import InvalidGroupError, NotInitializedError
+from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups
+from smddp.torch.parallel import _hook
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -99,8 +102,10 @@ class DistributedDataParallel(_TorchDDP):
             the gradient reduction of each bucket can overlap with backward computation;
             ``bucket_cap_mb`` is the bucket size in megabytes (MB). Defaults to 25.
         **kwargs: other arguments of ``torch.nn.parallel.DistributedDataParallel``, passed
-            through with torch's defaults: ``find_unused_parameters``, ``static_graph``,
-            ``gradient_as_bucket_view``, ``dim``, ...
+            through with torch's defaults (``find_unused_parameters``, ``static_graph``, ``dim``,
+            ...), except ``gradient_as_bucket_view``, which defaults to ``True``: each ``.grad``
+            is a view into its all-reduce bucket (one copy of the gradients less per step, and
+            less memory). Pass ``False`` for torch's separate gradient tensors.
 
     Raises:
         NotInitializedError: smddp is not initialized (a ``RuntimeError``).
@@ -110,6 +115,9 @@ class DistributedDataParallel(_TorchDDP):
         - All parameters must be registered in the model by the time it is wrapped, in the
           same order on every process; do not add or remove parameters afterwards.
         - Gradients are reduced following the reverse order of the registered parameters.
+        - On the shared-memory plane (every rank on one host, CPU parameters) smddp registers
+          its own communication hook at the first forward, unless one was registered before;
+          ``SMDDP_DDP_HOOK=0`` keeps torch's default path.
     """
 
     def __init__(
@@ -133,6 +141,7 @@ class DistributedDataParallel(_TorchDDP):
         else:
             kwargs["broadcast_buffers"] = bool(broadcast_buffers)
             sync_buffers_now = not broadcast_buffers
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(
             module,
             device_ids=device_ids,
@@ -145,3 +154,61 @@ class DistributedDataParallel(_TorchDDP):
             # Older torch skips buffers at construction when broadcast_buffers is False.
             for buffer in self.module.buffers():
                 tdist.broadcast(buffer.data, 0, group=pg)
+        # smddp's hook goes in at the first forward, so that a hook the caller registers after
+        # wrapping replaces it (torch's reducer takes one hook, once). torch's reducer in Python
+        # (compiled autograd's "python_reducer") calls hooks per parameter: it keeps its own path.
+        self._smddp_hook = "pending" if (
+            _hook.completes_inline(pg.engine, self.module) and not self._comm_hooks
+            and not getattr(self, "_use_python_reducer", False)) else "off"
+
+    def forward(self, *inputs, **kwargs):
+        """Run the module's forward (torch's DDP), installing smddp's all-reduce hook the first time."""
+        if self._smddp_hook == "pending":
+            self._smddp_hook = "on"
+            super().register_comm_hook(_smddp_group().engine, _hook.allreduce_hook)
+        return super().forward(*inputs, **kwargs)
+
+    def _replace_smddp_hook(self, what: str) -> None:
+        if self._smddp_hook == "on":
+            raise InvalidArgumentError(
+                f"{what}: smddp's DistributedDataParallel registered its own communication hook at the first "
+                f"forward, and torch's DDP takes one hook per model: call {what} before the first forward, "
+                f"or set {_hook.ENV}=0 before wrapping the model")
+        self._smddp_hook = "off"
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """torch's ``register_comm_hook``: ``hook`` reduces the gradient buckets instead of smddp's hook.
+
+        Args:
+            state: passed to every call of ``hook``.
+            hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``, as in torch.
+
+        Raises:
+            InvalidArgumentError: called after the first forward, once smddp's own hook (on the
+                shared-memory plane) is registered: call it before the first forward.
+        """
+        self._replace_smddp_hook("register_comm_hook()")
+        super().register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        self._replace_smddp_hook("_register_builtin_comm_hook()")
+        super()._register_builtin_comm_hook(comm_hook_type)
+
+    def join_hook(self, **kwargs):
+        """torch's DDP join hook (``model.join()``, ``torch.distributed.algorithms.Join``), for uneven inputs.
+
+        Joined ranks contribute zero gradients and every rank divides by the world size the job
+        started with (torch's default, ``divide_by_initial_world_size=True``).
+
+        Raises:
+            InvalidArgumentError: ``divide_by_initial_world_size=False``, before anything is sent.
+                torch's reducer then waits, inside backward, on a ``Work`` that smddp's process
+                group returned from Python and that Python has already released; torch falls
+                back to a wait that never ends. smddp refuses it rather than hang.
+        """
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise InvalidArgumentError(
+                "join(divide_by_initial_world_size=False) is not supported by smddp's DistributedDataParallel "
+                "(torch's reducer would wait forever on a released Work): use divide_by_initial_world_size=True, "
+                "the default, which divides by the initial world size")
+        return super().join_hook(**kwargs)
