@@ -25,7 +25,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _parent_watch, _runtime, _smdistributed_finder
+from smddp import _parent_watch, _runtime, _smdistributed_finder, knobs
 from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     script, module, args = _split(sys.argv[1:] if argv is None else argv)
     _follow_launcher()
     topo = _prepare_environment()
-    if os.environ.get(ALIAS_ENV, "1") != "0":
+    if knobs.value(ALIAS_ENV):
         _smdistributed_finder.enable(note=topo.rank == 0)
     try:
         _run(script, module, args)

@@ -69,6 +69,10 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "0: processes smddprun starts do not map smdistributed imports to smddp"),
     Knob("SMDDP_MPIRUN", None, str,
          "the mpirun smddprun runs (default: the one beside this Python, then PATH)"),
+    Knob("SMDDP_DDP_HOOK", True, flag,
+         "0: smddp's DistributedDataParallel keeps torch's path (no communication hook) on the "
+         "shared-memory plane",
+         "off: each bucket's all-reduce goes through a Work and the progress thread"),
     Knob("SMDDP_SOCKET_IFNAME", None, str,
          "the network interface smddp's store and gloo listen on, and smddprun's mpirun uses "
          "(default: loopback on one host; every interface across hosts)"),

@@ -15,7 +15,6 @@ that costs about 1 us instead of 7 us per call.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import zlib
@@ -23,7 +22,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from smddp import _excepthook
+from smddp import _excepthook, knobs
 from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
 from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
@@ -36,14 +35,14 @@ except ImportError as exc:  # pragma: no cover - exercised where mpi4py is absen
     ) from exc
 
 #: All-reduces of at least this many bytes take the large-message path; smaller ones MPI_Iallreduce.
-RING_MIN_BYTES = int(os.environ.get("SMDDP_MPI_RING_MIN_BYTES", 256 * 1024))
+RING_MIN_BYTES = knobs.value("SMDDP_MPI_RING_MIN_BYTES")
 #: The large-message path. "ring" (default): smddp's ring of non-blocking sends and
 #: receives, progressed by whoever tests it; light on the CPU, so DDP's backward keeps its
 #: core while gradients move. "blocking": MPI's own tuned MPI_Allreduce on a worker thread
 #: while the caller waits with a deadline; about 10% faster for a lone synchronous 16 MB
 #: all-reduce, but MPI's busy-polling takes the core from backward (DDP steps measured 1.8x
 #: slower on a 2-core machine).
-LARGE_ALLREDUCE = os.environ.get("SMDDP_MPI_LARGE_ALLREDUCE", "ring")
+LARGE_ALLREDUCE = knobs.value("SMDDP_MPI_LARGE_ALLREDUCE")
 
 _MPI_OPS = {Op.SUM: MPI.SUM, Op.AVERAGE: MPI.SUM, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX, Op.PRODUCT: MPI.PROD}
 

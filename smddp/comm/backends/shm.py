@@ -53,6 +53,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from smddp import knobs
 from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
 from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
@@ -67,13 +68,13 @@ except ImportError:  # not built (no C compiler at install): the Python path ser
 
 #: Bytes per step of the compiled core's larger collectives: small enough that a step's
 #: buffers stay in the caches while the ranks pass them on.
-CHUNK_BYTES = int(os.environ.get("SMDDP_SHM_CHUNK_BYTES", 1 << 20))
+CHUNK_BYTES = knobs.value("SMDDP_SHM_CHUNK_BYTES")
 #: All-reduces up to this many bytes run in one step in the compiled core (above it, each
 #: rank reduces one part of every step, which moves fewer bytes).
-NATIVE_ONE_SHOT_MAX = int(os.environ.get("SMDDP_SHM_ONE_SHOT_MAX", 32 << 10))
+NATIVE_ONE_SHOT_MAX = knobs.value("SMDDP_SHM_ONE_SHOT_MAX")
 #: A wait on the peers spins this long, then sleeps until they publish (the compiled core):
 #: a rank whose peer is still computing gives the core back instead of taking it.
-SPIN_NS = int(float(os.environ.get("SMDDP_SHM_SPIN_US", 20)) * 1000)
+SPIN_NS = int(knobs.value("SMDDP_SHM_SPIN_US") * 1000)
 _START_WAIT_NS = 20_000  # how long starting an operation waits on the peers before returning
 _TEST_WAIT_NS = 200_000  # ... and each test() (the engine's lock is held meanwhile)
 # The compiled core's codes are the fingerprint's: its nine dtypes come first in the table.

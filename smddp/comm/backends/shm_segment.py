@@ -17,9 +17,11 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
+from smddp import knobs
+
 #: Bytes of one buffer; each rank has two.
-SLOT_BYTES = int(os.environ.get("SMDDP_SHM_SLOT_BYTES", 4 << 20))
-SHM_DIR = os.environ.get("SMDDP_SHM_DIR", "/dev/shm")
+SLOT_BYTES = knobs.value("SMDDP_SHM_SLOT_BYTES")
+SHM_DIR = knobs.value("SMDDP_SHM_DIR")
 #: Bytes before the buffers: the ranks' epoch words and pids.
 HEADER = 4096
 _PREFIX = "smddp-shm-"

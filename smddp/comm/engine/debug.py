@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from smddp import knobs
 from smddp.comm.base import Communicator, Op
 from smddp.comm.engine.handle import poll
 from smddp.comm.engine.stall import UNEVEN_BATCHES_HINT, ranks_text
@@ -37,7 +38,7 @@ __all__ = ["ENV", "WIDTH", "Checker", "enabled", "explain", "fingerprint"]
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
     """True when ``SMDDP_DEBUG`` asks for the checks (any value but empty, 0, false, no, off)."""
-    return env.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return knobs.value(ENV, env)
 
 
 class Checker:

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as tdist
 
+from smddp import knobs
 from smddp.comm.base import Op
 from smddp.torch import _compat
 
@@ -46,7 +47,7 @@ def completes_inline(engine, module: torch.nn.Module, env=os.environ) -> bool:
     Returns:
         Whether to install :func:`allreduce_hook`.
     """
-    if env.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not knobs.value(ENV, env):
         return False
     comm = engine.comms.get("cpu")
     if comm is None or comm.plane != "shm":
