@@ -35,7 +35,7 @@ from smddp.comm import subgroups
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.errors import InvalidGroupError
-from smddp.torch import _compat, _functional_backends, _rendezvous
+from smddp.torch import _compat, _functional_backends, _labels, _rendezvous
 from smddp.torch.process_group import BACKEND_NAME, SmddpProcessGroup
 
 __all__ = ["current", "create", "destroy", "register", "request_backend", "resolve_timeout"]
@@ -125,7 +125,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
         communicators = comm.create_communicators(backend, Context(topology, timeout, options.store))
-    engine = Engine(communicators, timeout.total_seconds(), options.store)
+    engine = Engine(communicators, timeout.total_seconds(), options.store, _labels.ADVICE)
     if ranks is not None:
         engine.describe_group(name, ranks)
     group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
