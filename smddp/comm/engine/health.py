@@ -18,8 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+import smddp.comm.engine.stall as _stall
 from smddp import _excepthook
-from smddp.comm.engine import stall as _stall
 from smddp.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 
 if TYPE_CHECKING:
