@@ -52,6 +52,7 @@ import smddp
 import smddp.torch.distributed as dist
 from smddp.bench import format_size, parse_size
 from smddp.comm.base import Op
+from smddp.info import cpu_model
 
 BARS = {  # size: (min gloo/smddp, max smddp/mpi4py-tensor)
     4 << 10: (20.0, 2.0),
@@ -148,12 +149,7 @@ def _fmt_time(seconds: float) -> str:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model() or platform.machine()
     return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
 
 

@@ -51,6 +51,8 @@ import tempfile
 import time
 from typing import Dict, List, Sequence
 
+from smddp.info import cpu_model
+
 CONTENDERS = ("smddp", "smddp-no-hook", "smddp-torch-path", "torch-gloo", "no-comm", "compute")
 PHASES = ("forward", "backward", "optimizer")
 GOAL_OVER_FLOOR, GOAL_SPEEDUP = 1.25, 2.0  # issue 26's goals for the smddp contender
@@ -193,17 +195,6 @@ def _versions() -> Dict[str, str]:
     return found
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def _layers(text: str) -> List[int]:
     dims = [int(d) for d in text.split(",")]
     if len(dims) < 2 or min(dims) < 1:
@@ -284,7 +275,7 @@ def collect(args: argparse.Namespace, script: str, contenders: Sequence[str], ph
     return {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "machine": {"cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-                    "cpu": _cpu_model(), "load_before": load_before, "load_after": os.getloadavg()},
+                    "cpu": cpu_model() or "?", "load_before": load_before, "load_after": os.getloadavg()},
         "versions": versions, "seconds": round(time.time() - started, 1),
         "setup": {"ranks": args.ranks, "batch_size": args.batch_size, "threads_per_rank": 1,
                   "model": "MLP " + "-".join(str(d) for d in _layers(args.layers)), "launcher": args.launcher, **meta,

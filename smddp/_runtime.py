@@ -9,7 +9,7 @@ Lightning, AWS's examples), read these variables rather than asking a library::
 :func:`fill` computes them from the launcher's own variables (:func:`smddp._topology.discover`)
 at the start of every rank (``smddp._bootstrap``); a value already set wins. Under an MPI
 launcher without ``MASTER_ADDR``/``MASTER_PORT``, rank 0 chooses them and sends them to the
-others with one MPI broadcast (as ``smddp.comm.rendezvous`` does for its own store).
+others with one MPI broadcast (as ``smddp.comm.store`` does for its own store).
 """
 
 from __future__ import annotations

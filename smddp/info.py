@@ -95,7 +95,11 @@ def _child_result(child: Optional[subprocess.Popen]) -> Dict[str, Any]:
     return {"child_error": f"the probe exited with status {child.returncode}: {' | '.join(tail)}"}
 
 
-def _cpu_model() -> Optional[str]:
+def cpu_model() -> Optional[str]:
+    """This machine's CPU model (``/proc/cpuinfo``'s ``model name``), else the platform's word for it.
+
+    Benchmarks name their machine with it, as ``smddp-info`` does.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -240,7 +244,7 @@ def collect(env=None) -> Dict[str, Any]:
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                 "machine": platform.machine(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+                 "machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count(),
                  "memory_gib": _memory_gib()},
         "torch": _torch_info(),
     }

@@ -23,6 +23,7 @@ from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine, debug, stall
+from smddp.torch import _labels
 
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
@@ -168,10 +169,9 @@ def test_debug_is_off_by_default_and_costs_no_exchange():
 
 
 def test_fingerprint_explains_itself():
-    row = debug.fingerprint(7, "all_reduce", None, torch.ones(2, 3, dtype=torch.bfloat16), backward=True)
-    assert debug.explain(row) == (
-        "all_reduce(dtype=bfloat16, shape=(2, 3)) as sequence 7, during backward (DDP's gradient all-reduce)"
-    )
+    row = debug.fingerprint(7, "all_reduce", None, torch.ones(2, 3, dtype=torch.bfloat16), label=2)
+    assert debug.explain(row, ("first", "second")) == "all_reduce(dtype=bfloat16, shape=(2, 3)) as sequence 7 (second)"
+    assert debug.explain(row) == "all_reduce(dtype=bfloat16, shape=(2, 3)) as sequence 7 (a labelled call)"
     wide = debug.fingerprint(1, "broadcast", None, torch.ones([1] * 9), src=2)
     assert "src=2" in debug.explain(wide) and "..." in debug.explain(wide)
     assert len(wide) == debug.WIDTH
@@ -189,7 +189,7 @@ def test_uneven_batches_named_under_debug():
     for rank, text in uneven.items():
         kind, seconds, message = text.split(" ", 2)
         assert kind == "CollectiveMismatchError", text
-        assert "during backward (DDP's gradient all-reduce)" in message and "rank 1: barrier()" in message
+        assert "(during backward: DDP gradients)" in message and "rank 1: barrier()" in message
         assert all(word in message for word in HINT_WORDS), message
         report(f"uneven batches in DDP under SMDDP_DEBUG=1, rank {rank}", float(seconds))
 
@@ -290,7 +290,12 @@ def test_stall_report_words():
     assert "Rank 3 called broadcast as sequence 5 where this rank called all_reduce" in text
     assert "did not answer within 3 s: 4" in text
     assert "drop_last" not in text
-    assert "drop_last" in stall.describe({1: statuses[5]}, 5, "all_reduce (during backward: DDP gradients)")
+    labelled = "all_reduce (during backward: DDP gradients)"
+    assert "drop_last" in stall.describe({1: statuses[5]}, 5, labelled, advice=_labels.ADVICE)
+    assert "drop_last" not in stall.describe({1: statuses[5]}, 5, labelled)  # a label without advice
+    # A peer in a labelled collective where this rank is in another brings that label's advice.
+    peer = {"seq": 5, "op": "all_reduce (mine)", "done": False, "age": 1.0, "state": "running"}
+    assert stall.describe({1: peer}, 5, "barrier", advice={"mine": "Do this."}).endswith("Do this.")
     assert stall.describe({1: statuses[2]}, 5, "all_reduce").startswith("Every rank arrived")
     assert stall.describe({1: statuses[2]}, 5, "all_reduce", stalled=False) == ""
     assert stall.ranks_text([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

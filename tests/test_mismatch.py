@@ -136,6 +136,22 @@ def test_gather_whose_arguments_only_the_root_rejects(plane, words):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("plane,words", [("auto", SHM), ("gloo", GLOO)])
+def test_coalesced_call_reports_its_first_mismatch(plane, words):
+    # One Work stands for both all-reduces: wait() raises the first one's mismatch on every
+    # rank (one plane sees it as a rank starts, another as it completes), the second one runs
+    # on every rank, and so the ranks stay in step.
+    result = mpirun(2, [SCRIPT, "torch", "coalesced"], timeout=120, env={**ENV, "SMDDP_CPU_PLANE": plane}).check()
+    raised, after = reports(result.output, "RAISED"), reports(result.output, "AFTER")
+    for rank in range(2):
+        line = raised.get(("coalesced", rank), "")
+        assert line.startswith("CollectiveMismatchError"), (rank, result.output)
+        assert "(they differ in element count)" in line and words in line, line
+        assert "rank 1: all_reduce(op=SUM, dtype=float32, numel=5) as sequence 1" in line, line
+        assert after.get(("coalesced", rank)) == str([3.0] * 3), (rank, after)
+
+
+@pytest.mark.mpi
 def test_hierarchical_plane_mismatch_within_a_host_breaks_the_group():
     # Two "hosts" of two ranks; rank 3's 1M-element all-reduce (the hierarchical path) is one
     # element longer. Host 1's ranks compare fingerprints and raise; host 0's ranks agree with

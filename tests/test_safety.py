@@ -21,6 +21,7 @@ import pytest
 import torch.distributed as tdist
 
 from smddp.comm.engine import stall
+from smddp.torch._labels import ADVICE
 
 from launchers import mpirun, rank_lines
 
@@ -113,7 +114,7 @@ def test_report_gives_batch_advice_only_about_ranks_that_answered():
     stopped = {"state": "silent", "process": "stopped", "pid": 4242}
     dead = {"state": "silent", "process": "dead", "pid": 4243}
     alive = {"state": "silent", "process": "alive", "pid": 4244}
-    silent = stall.describe({1: None, 2: stopped, 3: dead, 4: alive}, 5, backward)
+    silent = stall.describe({1: None, 2: stopped, 3: dead, 4: alive}, 5, backward, advice=ADVICE)
     assert "Join" not in silent and "drop_last" not in silent, silent
     assert silent.startswith("Ranks that did not answer within 3 s: 1-4."), silent
     assert "Rank 1 is not answering: alive but not responding (stopped, or hung in native code" in silent, silent
@@ -121,11 +122,11 @@ def test_report_gives_batch_advice_only_about_ranks_that_answered():
     assert "Rank 3 (process 4243 on this host) has died" in silent, silent
     assert "Rank 4 (process 4244 on this host) is alive but not responding" in silent, silent
     # The uneven-batches case keeps its advice, also beside a silent rank.
-    assert "Join([model])" in stall.describe({1: exiting}, 5, backward)
-    assert "Join([model])" in stall.describe({1: exiting, 2: stopped}, 5, backward)
+    assert "Join([model])" in stall.describe({1: exiting}, 5, backward, advice=ADVICE)
+    assert "Join([model])" in stall.describe({1: exiting, 2: stopped}, 5, backward, advice=ADVICE)
     # A rank that ended with an exception is not one that ran out of batches.
-    assert "Join" not in stall.describe({1: failed}, 5, backward)
-    assert "Join" not in stall.describe({1: exiting}, 5, "all_reduce")
+    assert "Join" not in stall.describe({1: failed}, 5, backward, advice=ADVICE)
+    assert "Join" not in stall.describe({1: exiting}, 5, "all_reduce", advice=ADVICE)
 
 
 def test_process_state_reads_this_host():

@@ -4,7 +4,7 @@
 - :mod:`smddp.comm.backends`: one communicator module per library;
 - :mod:`smddp.comm.algorithms`: collectives built from the engine's own;
 - :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.subgroups`
-  (subgroups) and :mod:`smddp.comm.rendezvous` (the job's store).
+  (subgroups) and :mod:`smddp.comm.store` (the job's store).
 
 Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
 environment variable, then :func:`choose_backend`'s automatic choice. Modules are

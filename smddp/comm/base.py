@@ -139,6 +139,16 @@ class Done(Pending):
 DONE = Done()
 
 
+class Failed(Pending):
+    """An operation that failed as it was started: testing it raises ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def test(self) -> bool:
+        raise self.error
+
+
 class Then(Pending):
     """``pending``, then ``action()`` once (copy back, divide, cast), keeping ``held`` alive till then.
 

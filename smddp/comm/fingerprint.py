@@ -36,13 +36,14 @@ _DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
 MAGIC_VALUE = 0x534D44445044  # "SMDDPD"
 _MAX_DIMS = 7
 # Row layout. NDIM is -1 where only the element count is known (the shared-memory plane).
-MAGIC, SEQ, KIND, OP, DTYPE, SRC, BACKWARD, NDIM, NUMEL, DIMS = range(10)
+MAGIC, SEQ, KIND, OP, DTYPE, SRC, LABEL, NDIM, NUMEL, DIMS = range(10)
 WIDTH = DIMS + _MAX_DIMS
 _FIELD_NAMES = {MAGIC: "SMDDP_DEBUG setting", SEQ: "sequence number", KIND: "operation",
                 OP: "reduction op", DTYPE: "dtype", SRC: "source rank", NDIM: "shape", NUMEL: "shape"}
-# Where a collective was started (during backward or not) is reported, never compared:
-# torch's Join shadows DDP's backward all-reduces from outside backward.
-COMPARED = [i for i in range(WIDTH) if i != BACKWARD]
+# The caller's label (the engine's ``labels``: 1 + its index there, 0 for none) is reported,
+# never compared: matching calls may carry different labels (a label says where the caller
+# started it, and one rank may stand in for another's call from elsewhere).
+COMPARED = [i for i in range(WIDTH) if i != LABEL]
 
 
 def code(table: Sequence, value) -> int:
@@ -59,7 +60,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def fingerprint(seq: int, kind: str, op: Optional[Op], tensor: Optional[torch.Tensor],
-                src: Optional[int] = None, backward: bool = False, rows: bool = False) -> List[int]:
+                src: Optional[int] = None, label: int = 0, rows: bool = False) -> List[int]:
     """The row of integers that describes one collective call.
 
     Args:
@@ -68,11 +69,11 @@ def fingerprint(seq: int, kind: str, op: Optional[Op], tensor: Optional[torch.Te
         op: the reduction, if any.
         tensor: the tensor whose dtype and shape must match across ranks, if any.
         src: the root rank, if any.
-        backward: started during backward (reported, not compared).
+        label: the code of the caller's label (reported, not compared; see :data:`LABEL`).
         rows: compare only the shape of one row (dim 0 may differ across ranks).
     """
     row = [MAGIC_VALUE, seq, code(KINDS, kind), -1 if op is None else code(OPS, op), -1, -1 if src is None else src,
-           int(backward), -1, -1] + [-1] * _MAX_DIMS
+           label, -1, -1] + [-1] * _MAX_DIMS
     if tensor is not None:
         shape = list(tensor.shape[1:] if rows else tensor.shape)
         row[DTYPE] = dtype_code(tensor.dtype)
@@ -89,8 +90,11 @@ def counted(seq: int, kind: int, op: int, dtype: int, src: int, numel: int) -> L
     return [MAGIC_VALUE, seq, kind, op, dtype, src, 0, -1, numel] + [-1] * _MAX_DIMS
 
 
-def explain(row: Sequence[int]) -> str:
-    """A fingerprint row in words: ``all_reduce(op=sum, dtype=float32, shape=(4, 2))``."""
+def explain(row: Sequence[int], labels: Sequence[str] = ()) -> str:
+    """A fingerprint row in words: ``all_reduce(op=sum, dtype=float32, shape=(4, 2))``.
+
+    ``labels``: the engine's labels, by which a row's :data:`LABEL` code is named.
+    """
     if row[MAGIC] != MAGIC_VALUE:
         return "not a smddp collective (is SMDDP_DEBUG=1 set on every rank?)"
     kind = KINDS[row[KIND]] if 0 <= row[KIND] < len(KINDS) else "unknown"
@@ -110,8 +114,8 @@ def explain(row: Sequence[int]) -> str:
     elif row[NUMEL] >= 0:
         args.append(f"numel={row[NUMEL]}")
     text = f"{kind}({', '.join(args)}) as sequence {row[SEQ]}"
-    if row[BACKWARD]:
-        text += ", during backward (DDP's gradient all-reduce)"
+    if row[LABEL] > 0:
+        text += f" ({labels[row[LABEL] - 1] if row[LABEL] <= len(labels) else 'a labelled call'})"
     return text
 
 
@@ -120,13 +124,14 @@ def differing(rows: Sequence[Sequence[int]]) -> List[int]:
     return [i for i in COMPARED if any(row[i] != rows[0][i] for row in rows)]
 
 
-def describe(rows: Sequence[Sequence[int]], names: Sequence[int]) -> str:
+def describe(rows: Sequence[Sequence[int]], names: Sequence[int], labels: Sequence[str] = ()) -> str:
     """How the ranks' rows differ: ``(they differ in dtype): rank 0: ...; rank 1: .... Ranks
     that differ from rank 0: 1.``
 
     Args:
         rows: each rank's fingerprint, in rank order.
         names: the rank each row is named by in the text (global ranks, for a subgroup).
+        labels: the engine's labels, by which the rows' :data:`LABEL` codes are named.
     """
     from smddp.comm.engine.stall import ranks_text  # the engine's package imports this module
 
@@ -138,7 +143,7 @@ def describe(rows: Sequence[Sequence[int]], names: Sequence[int]) -> str:
     counted_only = all(row[NDIM] < 0 for row in rows)
     fields = sorted({"element count" if i == NUMEL and counted_only else _FIELD_NAMES.get(i, "shape")
                      for i in differing(rows)})
-    calls = "; ".join(f"rank {ranks_text(ranks)}: {explain(key)}" for key, ranks in groups.items())
+    calls = "; ".join(f"rank {ranks_text(ranks)}: {explain(key, labels)}" for key, ranks in groups.items())
     return (f"(they differ in {', '.join(fields)}): {calls}. "
             f"Ranks that differ from rank {names[0]}: {ranks_text(odd)}.")
 

@@ -27,7 +27,7 @@ from smddp import comm
 from smddp._topology import discover
 from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
-from smddp.comm.rendezvous import make_store
+from smddp.comm.store import make_store
 from smddp.errors import (
     InvalidArgumentError,
     InvalidGroupError,

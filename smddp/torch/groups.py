@@ -35,7 +35,7 @@ from smddp.comm import subgroups
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.errors import InvalidGroupError
-from smddp.torch import _compat, _functional_backends, _rendezvous
+from smddp.torch import _compat, _functional_backends, _init_methods, _labels
 from smddp.torch.process_group import BACKEND_NAME, SmddpProcessGroup
 
 __all__ = ["current", "create", "destroy", "register", "request_backend", "resolve_timeout"]
@@ -88,11 +88,11 @@ def register() -> None:
     """Register the ``"smddp"`` backend with ``torch.distributed`` (idempotent).
 
     Also teaches torch's ``env://``, ``tcp://`` and ``file://`` rendezvous to read the job
-    from the launcher (:mod:`smddp.torch._rendezvous`): under ``mpirun`` or ``srun`` no
+    from the launcher (:mod:`smddp.torch._init_methods`): under ``mpirun`` or ``srun`` no
     ``MASTER_ADDR``/``MASTER_PORT`` is needed, and a plain ``python train.py`` is a world of one.
     """
     _compat.register_backend(BACKEND_NAME, create, ("cpu", "cuda", "xpu"))
-    _rendezvous.install()
+    _init_methods.install()
 
 
 # ---------------------------------------------------------------------------- creation
@@ -125,7 +125,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
         communicators = comm.create_communicators(backend, Context(topology, timeout, options.store))
-    engine = Engine(communicators, timeout.total_seconds(), options.store)
+    engine = Engine(communicators, timeout.total_seconds(), options.store, _labels.ADVICE)
     if ranks is not None:
         engine.describe_group(name, ranks)
     group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)

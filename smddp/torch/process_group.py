@@ -15,7 +15,7 @@ from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
-from smddp.torch import _compat
+from smddp.torch import _compat, _labels
 from smddp.torch._work import RecvWork, Work
 
 BACKEND_NAME = "smddp"
@@ -111,7 +111,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
         op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
-        handle = self.engine.all_reduce(tensor, op, async_op=True, backward=_compat.in_backward())
+        handle = self.engine.all_reduce(tensor, op, async_op=True, label=_labels.all_reduce_label())
         if self._drive_in_backward and tensor.is_cpu:
             self._finish_with_backward(handle)
         return Work(handle, [tensor])
@@ -195,27 +195,29 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _reduce_op(opts)
-        joined = derived.each(lambda t: self.engine.all_reduce(t, op, async_op=True), tensors)
-        return Work(joined, list(tensors))
+        handle = derived.each(self.engine, lambda t: self.engine.all_reduce(t, op, async_op=True), tensors)
+        return Work(handle, list(tensors))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
         _check_gather_coalesced(output_lists, input_tensors, self.size())
         per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
-        joined = derived.each(lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
-        return Work(joined, list(output_lists))
+        handle = derived.each(
+            self.engine, lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
+        return Work(handle, list(output_lists))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        joined = derived.each(
-            lambda out, t: self.engine.all_gather_into_tensor(out, t, async_op=True), outputs, inputs)
-        return Work(joined, list(outputs))
+        handle = derived.each(
+            self.engine, lambda out, t: self.engine.all_gather_into_tensor(out, t, async_op=True), outputs, inputs)
+        return Work(handle, list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op = _reduce_op(opts)
-        joined = derived.each(lambda out, t: derived.reduce_scatter_tensor(self.engine, out, t, op), outputs, inputs)
-        return Work(joined, list(outputs))
+        handle = derived.each(
+            self.engine, lambda out, t: derived.reduce_scatter_tensor(self.engine, out, t, op), outputs, inputs)
+        return Work(handle, list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 

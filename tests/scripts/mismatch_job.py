@@ -9,7 +9,8 @@ Per case and rank it prints ``RAISED <case> <rank> <exception class> <message>``
 ``RETURNED <case> <rank>``), then every rank runs a correct all-reduce of ``rank + 1`` and
 prints ``AFTER <case> <rank> <result or exception class>``: what a user gets after the mismatch.
 ``gather_bad_root`` (torch, run only when named): only the root's arguments are bad (it
-raises before sending); the root's next collective is the all-reduce. ``END <rank>`` closes
+raises before sending); the root's next collective is the all-reduce. ``coalesced`` (torch,
+run only when named): two all-reduces in one call, the first mismatched. ``END <rank>`` closes
 a job that ran every case.
 """
 
@@ -69,8 +70,15 @@ CASES = {
     "sum_vs_max": lambda: dist.all_reduce(torch.ones(4), op=MAX if ODD else SUM),
     "count_1m": lambda: dist.all_reduce(torch.ones(BIG + 1 if ODD else BIG)),
 }
-# Run only when named (torch API): it leaves the root one collective behind for good.
-ONLY_NAMED = {"gather_bad_root": gather_bad_root}
+
+
+def coalesced() -> None:
+    """Two all-reduces in one call, the first mismatched: the call's Work reports that first error."""
+    dist.all_reduce_coalesced([torch.ones(5 if ODD else 4), torch.ones(3)])
+
+
+# Run only when named (torch API). gather_bad_root leaves the root one collective behind for good.
+ONLY_NAMED = {"gather_bad_root": gather_bad_root, "coalesced": coalesced}
 
 
 def one_line(exc: BaseException) -> str:

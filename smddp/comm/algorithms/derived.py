@@ -13,19 +13,19 @@ by a local step on completion:
 - ``gather`` / ``scatter``: ``all_to_all_single`` with nothing sent to (from) ranks other than
   the root.
 - list forms (``all_to_all`` of lists, ``reduce_scatter`` of a list) pack into one flat
-  buffer; the coalesced forms start one collective per tensor and complete together.
+  buffer; the coalesced forms start one collective per tensor, and the last one's handle
+  stands for them all (the engine completes them in issue order).
 - ``send`` / ``recv``: the communicator's own point-to-point, where it has one. They involve
   two ranks, so they take no sequence number: the collectives' numbering stays in step.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import Op, Pending, flat, reduce_rows, then
+from smddp.comm.base import DONE, Op, Pending, flat, reduce_rows, then
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine.checks import check_writable
 from smddp.errors import InvalidArgumentError, InvalidTypeError
@@ -212,59 +212,14 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
 
 
 # ---------------------------------------------------------------------------- several at once
-class Joined:
-    """Several handles as one: done when all are, failed with the first error.
+def each(engine: Engine, start_one: Callable[..., Handle], *lists: Sequence) -> Handle:
+    """Start ``start_one(*items)`` for each position of ``lists``; the handle of them all.
 
-    It has what :class:`~smddp.torch._work.Work` asks of a handle.
-    """
-
-    def __init__(self, handles: Sequence[Handle]):
-        self._handles = list(handles)
-        self._lock = threading.Lock()
-        self._left = len(self._handles)
-        self._callbacks: List[Callable[[Joined], None]] = []
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        for handle in self._handles:
-            handle.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(handle.is_completed() for handle in self._handles)
-
-    def exception(self) -> Optional[BaseException]:
-        for handle in self._handles:
-            error = handle.exception()
-            if error is not None:
-                return error
-        return None
-
-    def add_done_callback(self, callback: Callable[[Joined], None]) -> None:
-        if not self._handles:
-            callback(self)
-            return
-        with self._lock:
-            first = not self._callbacks
-            self._callbacks.append(callback)
-        if first:
-            for handle in self._handles:
-                handle.add_done_callback(self._one_done)
-
-    def _one_done(self, _handle: Handle) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-
-
-def each(start_one: Callable, *lists: Sequence) -> Joined:
-    """Start ``start_one(*items)`` for each position of ``lists``; one :class:`Joined` for all.
-
-    ``lists[0]`` holds the outputs (a tensor, or a list of them, per position): they are
-    checked before any collective starts, so a bad one does not leave the others half done.
+    That is the last one's: the engine completes a group's collectives in issue order, so it
+    is done once every one before it is; it :attr:`~smddp.comm.engine.handle.Handle.covers`
+    them, so its error is the first of theirs. ``lists[0]`` holds the outputs (a tensor, or a
+    list of them, per position): they are checked before any collective starts, so a bad one
+    does not leave the others half done.
 
     Raises:
         InvalidArgumentError: the lists have different lengths, or an output has overlapping memory.
@@ -277,7 +232,11 @@ def each(start_one: Callable, *lists: Sequence) -> Joined:
         for out in outs if isinstance(outs, (list, tuple)) else (outs,):
             if isinstance(out, torch.Tensor) and not out.is_contiguous():
                 check_writable(out, "coalesced collective", f"tensor {i}")
-    return Joined([start_one(*items) for items in zip(*lists)])
+    handles = [start_one(*items) for items in zip(*lists)]
+    if not handles:
+        return engine.message("coalesced collective of no tensors", lambda: DONE)
+    handles[-1].covers = handles[:-1]
+    return handles[-1]
 
 
 # ---------------------------------------------------------------------------- point-to-point

@@ -18,8 +18,8 @@ Every collective, whether it comes from smddp's own functions or from
 - owns every asynchronous operation until it completes, and completes a group's
   collectives in issue order: dropping a handle never changes a result.
 
-The engine inherits its argument checks (:mod:`smddp.comm.engine.checks`) and its failure state
-and reports (:mod:`smddp.comm.engine.health`); a caller's view of an operation in flight is a
+The engine owns its argument checks (:attr:`Engine.checks`, :mod:`smddp.comm.engine.checks`) and
+inherits its failure state and reports (:mod:`smddp.comm.engine.health`); a caller's view of an operation in flight is a
 :class:`~smddp.comm.engine.handle.Handle` (:mod:`smddp.comm.engine.handle`).
 
 Thread model (docs/architecture.md has the whole of it): any thread may start a collective
@@ -37,24 +37,21 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Op, Pending, flat, then
+from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine.checks import Checks, check_writable
 from smddp.comm.engine.handle import Handle, poll
 from smddp.comm.engine.health import Health
-from smddp.errors import CollectiveError, InvalidArgumentError, InvalidTypeError
+from smddp.comm.engine.stall import labelled
+from smddp.errors import CollectiveError, CollectiveMismatchError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Engine", "Handle"]
 
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
-
-# How errors name an all-reduce started inside autograd's backward (DDP's gradient buckets).
-_BACKWARD_ALL_REDUCE = "all_reduce (during backward: DDP gradients)"
-
 
 class Engine(Health):
     """The collectives of one job over one communicator per device type.
@@ -65,9 +62,13 @@ class Engine(Health):
         timeout: seconds a collective may take before :class:`CollectiveTimeout`.
         store: the job's torch ``Store``; with it, a timed-out rank asks the others where
             they are and names the ones that never arrived (:mod:`smddp.comm.engine.stall`).
+        advice: a caller's label (see :meth:`all_reduce`) to a sentence for the user, added to
+            a timeout or mismatch report that involves a collective with that label. Give
+            every rank the same table: ``SMDDP_DEBUG``'s rows carry a label as its index here.
     """
 
-    def __init__(self, comms: Dict[str, Communicator], timeout: float, store=None):
+    def __init__(self, comms: Dict[str, Communicator], timeout: float, store=None,
+                 advice: Optional[Mapping[str, str]] = None):
         if not comms:
             raise ValueError("an engine needs at least one communicator")
         self.comms = dict(comms)
@@ -77,6 +78,9 @@ class Engine(Health):
         self.rank = self.primary.rank
         self.size = self.primary.size
         self.timeout = float(timeout)
+        #: Label to advice (the ``advice`` argument); :attr:`labels` orders its labels.
+        self.advice: Dict[str, str] = dict(advice or {})
+        self.labels = tuple(self.advice)
         self.seq = 0
         self._closed = False
         # Every asynchronous operation started and not yet done, in issue order. The engine,
@@ -143,6 +147,12 @@ class Engine(Health):
                 self._debug.check(seq, op_name, *check)
             try:
                 pending = start(*args, seq)
+            except CollectiveMismatchError as exc:
+                if not async_op:
+                    raise
+                # A plane may see a mismatch as one rank starts and as another completes:
+                # an asynchronous call reports it from wait() on every rank alike.
+                pending = Failed(exc)
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
@@ -192,12 +202,12 @@ class Engine(Health):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: Op, async_op: bool = False, backward: bool = False
+        self, tensor: torch.Tensor, op: Op, async_op: bool = False, label: Optional[str] = None
     ) -> Optional[Handle]:
         """Reduce ``tensor`` over all ranks, in place.
 
-        ``backward``: the call comes from inside autograd's backward (DDP's gradient buckets);
-        errors then name the uneven-batches case.
+        ``label``: what the caller does with it, named in errors and stall reports as
+        ``all_reduce (<label>)``; a label in the engine's ``advice`` adds that advice to them.
         """
         # The hot path inlines checks.comm_for's common case (a CPU tensor of a dtype the CPU
         # communicator takes): through that call a world-of-one v1 all_reduce took about 250 ns
@@ -206,8 +216,8 @@ class Engine(Health):
         comm = self._cpu_comm if tensor.is_cpu else None
         if comm is None or tensor.dtype not in comm.dtypes:
             comm = self.checks.comm_for(tensor)
-        check = None if self._debug is None else ("all_reduce", op, tensor, None, backward)
-        name = _BACKWARD_ALL_REDUCE if backward else "all_reduce"
+        check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
+        name = "all_reduce" if label is None else labelled("all_reduce", label)
         if tensor.is_contiguous() and not tensor.requires_grad:  # checks.buffer's common case, inline
             return self.run(name, comm.all_reduce, async_op, check, (tensor, op))
         buf, after = self.checks.buffer(tensor, "all_reduce")
@@ -328,7 +338,8 @@ class Engine(Health):
         Every Pending is tested on each pass, so a ring whose handle nobody holds keeps
         posting its stages. A collective is done once its Pending is and every collective
         issued before it is done; once one fails, the collectives after it fail too (the ranks
-        are no longer in step). Callbacks run after the lock is released, in issue order.
+        are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
+        run after the lock is released, in issue order.
         """
         finished: List[Handle] = []
         with self._cv:
@@ -337,19 +348,28 @@ class Engine(Health):
             now = time.monotonic()
             keep: List[Handle] = []
             blocked: Optional[Handle] = None  # the earliest collective not yet done
-            failed: Optional[Handle] = None  # the earliest collective that failed
+            failed: Optional[Handle] = None  # the earliest that failed and left the ranks out of step
             for handle in self._inflight:
-                if not handle._finished:
-                    if failed is not None and handle.ordered:
-                        handle._finish_failed(CollectiveError(
-                            f"{handle.op_name} (sequence number {handle.seq}) was cancelled on rank "
-                            f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
-                            f"before it, failed"))
+                if failed is not None and handle.ordered and handle._error is None:
+                    # Also one whose own Pending finished first (a library's requests may
+                    # complete out of order): after `failed` the ranks are out of step.
+                    cancelled = CollectiveError(
+                        f"{handle.op_name} (sequence number {handle.seq}) was cancelled on rank "
+                        f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
+                        f"before it, failed: {failed._error}")
+                    cancelled.__cause__ = failed._error
+                    if handle._finished:
+                        handle._error = cancelled
                     else:
-                        handle._advance(now)
+                        handle._finish_failed(cancelled)
+                elif not handle._finished:
+                    handle._advance(now)
                 if not handle.ordered or blocked is None:
                     if handle._finished:
-                        if handle.ordered and handle._error is not None and failed is None:
+                        error = handle._error
+                        # A mismatch leaves the ranks in step: what follows it runs.
+                        if (handle.ordered and error is not None and failed is None
+                                and not isinstance(error, CollectiveMismatchError)):
                             failed = handle
                         if handle._callbacks:
                             finished.append(handle)  # done once its callbacks have run

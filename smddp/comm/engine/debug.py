@@ -25,8 +25,8 @@ import torch
 from smddp import knobs
 from smddp.comm.base import Communicator, Op
 from smddp.comm.engine.handle import poll
-from smddp.comm.engine.stall import UNEVEN_BATCHES_HINT, ranks_text
-from smddp.comm.fingerprint import BACKWARD, COMPARED, SEQ, WIDTH, describe, differing, explain, fingerprint
+from smddp.comm.engine.stall import ranks_text
+from smddp.comm.fingerprint import COMPARED, LABEL, SEQ, WIDTH, describe, differing, explain, fingerprint
 from smddp.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Checker:
         self.device = torch.device("cpu") if "cpu" in comm.device_types else torch.device(comm.device_types[0])
 
     def check(self, seq: int, op_name: str, kind: str, op: Optional[Op] = None,
-              tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, backward: bool = False,
+              tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, label: Optional[str] = None,
               splits: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> None:
         """Compare this call with every other rank's; return if they all match.
 
@@ -65,7 +65,7 @@ class Checker:
                 raises it, with the same message).
             CollectiveTimeout: some rank did not arrive within the timeout.
         """
-        mine = fingerprint(seq, kind, op, tensor, src, backward, rows=splits is not None)
+        mine = fingerprint(seq, kind, op, tensor, src, self._label_code(label), rows=splits is not None)
         rows = self._gather(mine, seq, op_name)
         compared = rows[:, COMPARED]
         if not bool((compared == compared[0]).all()):
@@ -88,6 +88,10 @@ class Checker:
             raise self.engine._stalled(seq, f"{op_name} (the SMDDP_DEBUG check before it)")
         return out.view(self.size, -1).cpu()
 
+    def _label_code(self, label: Optional[str]) -> int:
+        labels = self.engine.labels
+        return labels.index(label) + 1 if label in labels else 0
+
     def _where(self) -> str:
         engine = self.engine
         if engine.global_ranks is None:
@@ -99,11 +103,13 @@ class Checker:
         table = rows.tolist()
         text = (
             f"SMDDP_DEBUG: the ranks called different collectives at sequence {seq} {self._where()}"
-            f"{describe(table, [self.engine.global_rank(r) for r in range(self.size)])} "
+            f"{describe(table, [self.engine.global_rank(r) for r in range(self.size)], self.engine.labels)} "
             f"The collective was not run."
         )
-        if any(row[BACKWARD] for row in table):
-            text += " " + UNEVEN_BATCHES_HINT
+        labels = self.engine.labels
+        advice = [self.engine.advice[labels[row[LABEL] - 1]] for row in table if 0 < row[LABEL] <= len(labels)]
+        if advice:
+            text += " " + " ".join(dict.fromkeys(advice))
         elif SEQ in differing(table):
             text += (" Different sequence numbers mean some ranks ran collectives the others did not "
                      "(or SMDDP_DEBUG is not set on every rank).")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from smddp.comm.base import Pending
 
@@ -77,7 +77,7 @@ class Handle:
     """
 
     __slots__ = ("_engine", "seq", "op_name", "_pending", "_finished", "_done", "_error",
-                 "_callbacks", "deadline", "ordered")
+                 "_callbacks", "deadline", "ordered", "covers")
 
     def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True):
         self._engine = engine
@@ -91,6 +91,9 @@ class Handle:
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
         self.ordered = ordered
+        #: Collectives issued just before this one that it stands for (a coalesced call,
+        #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
+        self.covers: Sequence[Handle] = ()
 
     def is_completed(self) -> bool:
         """Make progress; True once the operation has finished (or failed)."""
@@ -123,8 +126,9 @@ class Handle:
             except KeyboardInterrupt:
                 self._engine._interrupted(self.seq, self.op_name)
                 raise
-        if self._error is not None:
-            raise self._error
+        error = self.exception() if self.covers else self._error
+        if error is not None:
+            raise error
         self._pending.waited()
         return True
 
@@ -139,7 +143,10 @@ class Handle:
         self._pending.waited()
 
     def exception(self) -> Optional[BaseException]:
-        """The error the operation ended with, if any."""
+        """The error the operation ended with, if any (the first of :attr:`covers` and its own)."""
+        for handle in self.covers:
+            if handle._error is not None:
+                return handle._error
         return self._error
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:

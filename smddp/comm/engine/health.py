@@ -18,8 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+import smddp.comm.engine.stall as _stall
 from smddp import _excepthook
-from smddp.comm.engine import stall as _stall
 from smddp.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class Health:
                 except Exception as exc:  # noqa: BLE001 - the report is best effort
                     return f" (could not ask the other ranks where they are: {exc})"
         statuses = {self.global_rank(rank): st for rank, st in self._statuses.items()}
-        text = _stall.describe(statuses, seq, op_name, stalled)
+        text = _stall.describe(statuses, seq, op_name, stalled, self.advice)
         return " " + text if text else ""
 
     def at_exit(self, failure: Optional[str] = None) -> None:

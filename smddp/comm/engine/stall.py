@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 from smddp.comm.engine.handle import poll
 
@@ -48,15 +48,17 @@ def _pause() -> None:
 
 _engines = itertools.count()
 
-#: Appended to errors about a collective started during backward (usually DDP's gradients).
-UNEVEN_BATCHES_HINT = (
-    "A collective started during backward is DDP's gradient all-reduce: if some ranks ran "
-    "backward while others did not, the ranks probably have different numbers of batches (the "
-    "end of an epoch with unequal data shards). Fix: give every rank the same number of batches "
-    "(DistributedSampler(..., drop_last=True), or equal shards), or wrap the training loop in "
-    "torch.distributed.algorithms.join.Join([model]) so that ranks which run out of data shadow "
-    "the others' all-reduces."
-)
+def labelled(op_name: str, label: Optional[str]) -> str:
+    """The name a collective goes by in errors and stall reports: ``all_reduce (<label>)``."""
+    return f"{op_name} ({label})" if label else op_name
+
+
+def label_of(op_name: object) -> Optional[str]:
+    """The caller's label in a name made by :func:`labelled`, None if it has none."""
+    name = str(op_name)
+    if not name.endswith(")") or " (" not in name:
+        return None
+    return name[name.index(" (") + 2:-1]
 
 
 class StoreChannel:
@@ -261,7 +263,8 @@ def _kind(op_name: object) -> str:
     return str(op_name).split(" ", 1)[0]
 
 
-def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stalled: bool = True) -> str:
+def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stalled: bool = True,
+             advice: Optional[Mapping[str, str]] = None) -> str:
     """Sentences naming the ranks that never arrived at collective ``seq`` (``op_name``).
 
     Args:
@@ -269,16 +272,19 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
         seq: the sequence number of the collective this rank waits in.
         op_name: what this rank called.
         stalled: it timed out (else it failed: nothing is said when every rank is in step).
+        advice: label to a sentence for the user (the engine's ``advice``), added when this
+            rank's collective, or the one an answering peer is in instead, carries that label.
     """
+    advice = advice or {}
     if _kind(op_name) in ("send", "recv", "receive"):
         return _positions(statuses)
     missing: Dict[str, List[int]] = {}
     different: Dict[str, List[int]] = {}
     silent: Dict[int, Optional[Status]] = {}
-    backward = "backward" in op_name
-    # The uneven-batches advice fits only ranks that answered and are elsewhere in the
-    # script (another collective, outside collectives, its end), never a silent one.
-    hint = False
+    mine = advice.get(label_of(op_name) or "")
+    # A label's advice fits only ranks that answered and are elsewhere in the script
+    # (another collective, outside collectives, its end), never a silent one.
+    hints: List[str] = []
     for rank, st in sorted(statuses.items()):
         if st is None or st.get("state") == "silent":
             silent[rank] = st
@@ -286,10 +292,11 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
         at = int(st.get("seq") or 0)
         if at < seq:
             missing.setdefault(_where(st), []).append(rank)
-            hint = hint or (backward and st.get("state") not in ("failed", "broken"))
+            if mine and st.get("state") not in ("failed", "broken"):
+                hints.append(mine)
         elif at == seq and _kind(st.get("op")) != _kind(op_name):
             different.setdefault(str(st.get("op")), []).append(rank)
-            hint = hint or backward or "backward" in str(st.get("op"))
+            hints += [h for h in (mine, advice.get(label_of(st.get("op")) or "")) if h]
     parts = []
     never = sorted(r for ranks in missing.values() for r in ranks)
     if never:
@@ -307,8 +314,7 @@ def describe(statuses: Dict[int, Optional[Status]], seq: int, op_name: str, stal
             "Every rank arrived at this collective: it stalled inside the communication library "
             "(a network problem, or a peer stuck inside it); for NCCL, set NCCL_DEBUG=INFO."
         )
-    if hint:
-        parts.append(UNEVEN_BATCHES_HINT)
+    parts.extend(dict.fromkeys(hints))  # each piece of advice once, in the order found
     return " ".join(parts)
 
 

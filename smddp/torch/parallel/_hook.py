@@ -24,7 +24,7 @@ import torch.distributed as tdist
 
 from smddp import knobs
 from smddp.comm.base import Op
-from smddp.torch import _compat
+from smddp.torch import _labels
 
 __all__ = ["ENV", "allreduce_hook", "completes_inline"]
 
@@ -77,7 +77,7 @@ def allreduce_hook(engine, bucket) -> torch.futures.Future:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         return default_hooks.allreduce_hook(None, bucket)
-    engine.all_reduce(buffer, Op.AVERAGE, backward=_compat.in_backward())
+    engine.all_reduce(buffer, Op.AVERAGE, label=_labels.all_reduce_label())
     future = torch.futures.Future()
     future.set_result(buffer)
     return future

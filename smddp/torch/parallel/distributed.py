@@ -17,10 +17,10 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+import smddp.torch.parallel._hook as _hook
 from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups
-from smddp.torch.parallel import _hook
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 

@@ -3,7 +3,7 @@
 ``torch.distributed.init_process_group(backend="smddp")`` then works as scripts written for
 SageMaker expect, whatever started the processes:
 
-- ``env://`` (the default): the job meets at smddp's store (:func:`smddp.comm.rendezvous.make_store`):
+- ``env://`` (the default): the job meets at smddp's store (:func:`smddp.comm.store.make_store`):
   at ``MASTER_ADDR:MASTER_PORT`` when both are set, else an MPI job over MPI, an ``srun`` job
   at the address and port derived from the Slurm job; a plain ``python train.py`` is a world
   of one. Under torchrun (its agent's store), and when the caller passes ``rank``/``world_size``, torch's own
@@ -37,7 +37,7 @@ def _env_or_launcher(original: Callable) -> Callable:
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         derived = topology.distributed and not agent_store and not explicit
         if plain or derived:
-            from smddp.comm.rendezvous import make_store
+            from smddp.comm.store import make_store
 
             yield make_store(topology, timeout), topology.rank, topology.size
             return
