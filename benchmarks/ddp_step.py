@@ -23,6 +23,9 @@ in the same processes on the same data, with the same model and optimizer:
 - ``no-comm``: smddp's DDP (its defaults) with a communication hook that hands each bucket back
   unreduced: torch's reducer (the copy of each gradient into its bucket) with no communication,
   the floor every backend under torch's DDP stands on;
+- ``lockstep``: the plain module with one barrier (smddp's group) as backward ends: what
+  keeping the ranks in step costs by itself (each step waits for the slower rank), before a
+  byte of gradient moves;
 - ``compute``: the plain module, no DDP: the floor of the step itself.
 
 A round is a barrier, then ``--block`` timed steps of each contender in turn, the order
@@ -53,7 +56,7 @@ from typing import Dict, List, Sequence
 
 from smddp.info import cpu_model
 
-CONTENDERS = ("smddp", "smddp-no-hook", "smddp-torch-path", "torch-gloo", "no-comm", "compute")
+CONTENDERS = ("smddp", "smddp-no-hook", "smddp-torch-path", "torch-gloo", "no-comm", "lockstep", "compute")
 PHASES = ("forward", "backward", "optimizer")
 GOAL_OVER_FLOOR, GOAL_SPEEDUP = 1.25, 2.0  # issue 26's goals for the smddp contender
 
@@ -95,9 +98,13 @@ def worker(args: argparse.Namespace) -> None:
         "smddp-torch-path": no_hook_ddp(gradient_as_bucket_view=False),
         "torch-gloo": torch.nn.parallel.DistributedDataParallel(mlp(dims), process_group=gloo),
         "no-comm": DDP(mlp(dims)),
+        "lockstep": mlp(dims),
         "compute": mlp(dims),
     }
     models["no-comm"].register_comm_hook(None, unreduced)
+    # The first layer's weight gets its gradient last in backward: the barrier ends backward.
+    first = next(models["lockstep"].parameters())
+    first.register_post_accumulate_grad_hook(lambda _param: tdist.barrier())
     results = timed_rounds(models, args, gloo, rank, dims)
     finish(args, results, {"params": sum(p.numel() for p in models["compute"].parameters()),
                            "backend": dist.get_backend(), "bucket_mb": models["smddp"].bucket_bytes_cap / 2**20,
@@ -332,6 +339,7 @@ def format_report(report: dict) -> str:
               ("smddp-no-hook", "smddp DDP, no hook (SMDDP_DDP_HOOK=0)"),
               ("smddp-torch-path", "smddp DDP, torch's path (no hook, gradient_as_bucket_view=False)"),
               ("torch-gloo", "torch DDP on gloo"), ("no-comm", "DDP, no communication (reducer only)"),
+              ("lockstep", "no DDP, one barrier per step (ranks in step)"),
               ("compute", "no DDP (compute only): the floor"))
     for c, label in labels:
         eff = report["scaling_efficiency"].get(c)
@@ -356,7 +364,8 @@ def format_report(report: dict) -> str:
         f"{report['speedup_ceiling']:.2f}x faster than on gloo and {report['over_floor']['no-comm']:.2f}x the floor: "
         f"the most any backend under torch's reducer can reach. Without smddp's hook (SMDDP_DDP_HOOK=0) the step "
         f"takes {two['smddp-no-hook']['median'] / two['smddp']['median']:.2f}x smddp's (jobs: "
-        f"{spread(report, 'smddp-no-hook', 'smddp')}).",
+        f"{spread(report, 'smddp-no-hook', 'smddp')}). Keeping the ranks in step alone (one barrier per step, "
+        f"no DDP) costs {report['over_floor']['lockstep']:.2f}x the floor.",
         f"goals (issue 26): within {GOAL_OVER_FLOOR}x of the floor: "
         f"{'PASS' if report['over_floor']['smddp'] <= GOAL_OVER_FLOOR else 'MISS'}; at least {GOAL_SPEEDUP}x "
         f"faster than torch DDP on gloo: {'PASS' if report['speedup'] >= GOAL_SPEEDUP else 'MISS'}",
