@@ -12,12 +12,16 @@ SageMaker's runner gives it, then runs the program as ``python script.py args`` 
 - an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
   instead of leaving the other ranks waiting in a collective, and a finalize that never returns;
 - the process ends with what started it: smddprun itself (no mpirun), or the MPI launcher's
-  daemon, which smddprun ends when it dies (:mod:`smddp._parent_watch`).
+  daemon, which smddprun ends when it dies (:mod:`smddp._parent_watch`);
+- started by smddprun itself in a job of several processes, ``import mpi4py.MPI`` raises an
+  ImportError that says to run under ``smddprun --launcher mpirun``: without a launcher, each
+  process would start an MPI world of its own and train alone, silently.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib.abc
 import os
 import runpy
 import signal
@@ -91,6 +95,29 @@ def _end_mpi_job(code: int) -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
+class _NoMpiWorld(importlib.abc.MetaPathFinder):
+    """Refuses ``mpi4py.MPI`` in a rank that smddprun started without an MPI launcher."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ARG002 - the finder protocol
+        if fullname != "mpi4py.MPI":
+            return None
+        raise ImportError(
+            f"mpi4py.MPI: this process is one of {self.size} that smddprun started without mpirun, so MPI "
+            f"would see a world of 1 process in each. smddp's own collectives need no MPI; a script "
+            f"that uses mpi4py itself must run under MPI: smddprun --launcher mpirun ...",
+            name=fullname,
+        )
+
+
+def _guard_mpi4py(topo: Topology) -> None:
+    """Make ``import mpi4py.MPI`` fail loudly in a rank smddprun started itself (see :class:`_NoMpiWorld`)."""
+    if os.environ.get(LAUNCHER_PID_ENV) and topo.size > 1 and not _MPI_RANK_VARIABLES.intersection(os.environ):
+        sys.meta_path.insert(0, _NoMpiWorld(topo.size))
+
+
 def _follow_launcher() -> None:
     """End this process when what started it dies (Linux), so none is orphaned.
 
@@ -148,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     script, module, args = _split(sys.argv[1:] if argv is None else argv)
     _follow_launcher()
     topo = _prepare_environment()
+    _guard_mpi4py(topo)
     if knobs.value(ALIAS_ENV):
         _smdistributed_finder.enable(note=topo.rank == 0)
     try:

@@ -116,9 +116,9 @@ class LocalJob:
             _signal_group(self.procs, signal.SIGKILL, everyone=True)  # whatever the ranks left behind
         if self.received is not None:
             return 128 + self.received
-        if failed is not None:
-            return failed[1]
-        return 0
+        if failed is None:  # every rank ended within one poll: the first that failed speaks
+            failed = next(((r, _exit_status(c)) for r, c in enumerate(codes) if c != 0), None)
+        return 0 if failed is None else failed[1]
 
     def run(self, out: Optional[BinaryIO] = None, err: Optional[BinaryIO] = None) -> int:
         """Start every rank, copy their output, wait; returns the job's exit status."""

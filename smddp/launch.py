@@ -1,11 +1,13 @@
 """``smddprun``: start a data parallel job the way SageMaker's runner does, anywhere.
 
-``smddprun -np N [options] script.py [args]`` (or ``-m module``) runs ``mpirun`` with the
-defaults that SageMaker uses and that make sense off SageMaker: root allowed, output tagged
+``smddprun -np N [options] script.py [args]`` (or ``-m module``) on one host starts the N
+processes itself (:mod:`smddp._local_job`): they meet at smddp's store on loopback and
+all-reduce over shared memory, and the job opens no port on the network; output is tagged with
+the rank and the whole job ends when one rank fails. Across hosts (``-H``, ``--hostfile``, a
+Slurm allocation), with ``--mpi-args``, or with ``--launcher mpirun``, it runs ``mpirun`` with
+the defaults that SageMaker uses and that make sense off SageMaker: root allowed, output tagged
 with the rank, the whole job ended when one rank fails, oversubscription when N exceeds the
 cores, and the environment that distributed training reads forwarded to every rank.
-Without any ``mpirun`` it starts the N processes itself with torchrun's environment
-variables (the ``gloo`` backend), tags their output and ends them all when one fails.
 
 Every process starts in :mod:`smddp._bootstrap`, which gives it the variables SageMaker's
 runner gives its processes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -61,10 +63,14 @@ what each process gets (as on SageMaker; values already set win):
   Forwarded to every rank: SMDDP_*, NCCL_*, FI_*, SM_*, CUDA_VISIBLE_DEVICES, PYTHONPATH,
   PATH, LD_LIBRARY_PATH, OMP_NUM_THREADS, and each -x.
 
-which mpirun:
-  $SMDDP_MPIRUN, else the one beside this Python (pip install 'smddp[mpi]' puts Open MPI
-  there), else mpirun or mpiexec on PATH (Open MPI, MPICH or Intel MPI). Without any, the
-  processes are started here with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...).
+which launcher (--launcher auto, the default):
+  one host (no -H, --hostfile or batch allocation), no --mpi-args, no SMDDP_MPIRUN: smddprun
+  starts the processes itself; they use shared memory between them and the job listens on no
+  network address (docs/security.md). A script that uses mpi4py itself needs MPI: pass
+  --launcher mpirun (mpi4py stops such a script with that advice instead of seeing 1 process).
+  Otherwise mpirun: $SMDDP_MPIRUN, else the one beside this Python (pip install 'smddp[mpi]'
+  puts Open MPI there), else mpirun or mpiexec on PATH (Open MPI, MPICH or Intel MPI); with
+  none, one host's processes are started here all the same.
 """
 
 
@@ -101,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         usage="smddprun [-np N] [--hostfile FILE | -H HOST:SLOTS,...] [-x VAR[=VAL]]... "
               "[--mpi-args ARGS] [--dry-run] (script.py | -m module) [args ...]",
         description="Run a PyTorch script on N processes with smddp, like SageMaker's smdistributed "
-                    "runner: under mpirun when one is installed, else as local processes.",
+                    "runner: on one host as processes it starts itself, across hosts under mpirun.",
     )
     p.add_argument("-np", "-n", "--np", "--nproc", dest="nproc", type=int, metavar="N",
                    help="number of processes (default: the hosts' slots, else SM_NUM_GPUS, "
@@ -114,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mpi-args", default="", metavar="ARGS",
                    help='more mpirun arguments, one quoted string: --mpi-args "--bind-to none"')
     p.add_argument("--launcher", choices=("auto", "mpirun", "local"), default="auto",
-                   help="auto: mpirun if found, else local processes (default)")
+                   help="auto (default): local processes on one host, mpirun across hosts or with "
+                        "--mpi-args; mpirun: always mpirun; local: always local processes")
     p.add_argument("--python", default=sys.executable, metavar="PATH",
                    help="interpreter for the ranks (default: this one, %(default)s)")
     p.add_argument("--no-alias", dest="alias", action="store_false",
@@ -432,8 +439,12 @@ def _env_prefix(env: Mapping[str, str], base: Mapping[str, str]) -> List[str]:
 # ---------------------------------------------------------------- main
 
 def _choose_mpi(opts: Options, env: Mapping[str, str]) -> Optional[MPI]:
+    """The MPI that starts the job, None when smddprun starts the processes itself."""
     if opts.launcher == "local":
         return None
+    if (opts.launcher == "auto" and single_host(opts, env) and not opts.mpi_args
+            and not knobs.value("SMDDP_MPIRUN", env)):
+        return None  # one host: nothing of MPI is needed, and mpirun's daemon listens on the network
     path = find_mpirun(env)
     if path is None:
         if opts.launcher == "mpirun":
@@ -446,11 +457,11 @@ def _run_local(opts: Options, env: Dict[str, str], explicit: bool) -> int:
     if opts.hosts or opts.hostfile:
         raise LaunchError("starting processes on other hosts needs mpirun: pip install 'smddp[mpi]'")
     commands = local_commands(opts, env)
-    why = "" if explicit else "no mpirun found; "
-    print(f"smddprun: {why}starting {len(commands)} local processes without MPI "
-          f"(torchrun-style environment, gloo backend)", file=sys.stderr, flush=True)
+    if not explicit and not single_host(opts, env):
+        print(f"smddprun: no mpirun found; starting {len(commands)} processes on this host without MPI",
+              file=sys.stderr, flush=True)
     if opts.mpi_args:
-        print("smddprun: --mpi-args ignored without mpirun", file=sys.stderr, flush=True)
+        print("smddprun: --mpi-args ignored: no mpirun found", file=sys.stderr, flush=True)
     if opts.dry_run:
         for cmd, rank_env in commands:
             rank_env.pop(LAUNCHER_PID_ENV)  # the lines run by hand have no launcher to follow

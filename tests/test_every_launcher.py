@@ -37,11 +37,12 @@ def test_mpirun(np):
 
 @pytest.mark.mpi
 def test_smddprun_over_mpirun():
-    assert_plane(run([*SMDDPRUN, "-np", "2", SCRIPT, "v1"], timeout=180), 2, "mpi", "shm")
+    assert_plane(run([*SMDDPRUN, "--launcher", "mpirun", "-np", "2", SCRIPT, "v1"], timeout=180), 2, "mpi", "shm")
 
 
-def test_smddprun_local_launcher():
-    result = run([*SMDDPRUN, "--launcher", "local", "-np", "2", SCRIPT, "v1"], timeout=180)
+def test_smddprun_on_one_host():
+    # smddprun's default on one host: it starts the ranks itself (its local launcher).
+    result = run([*SMDDPRUN, "-np", "2", SCRIPT, "v1"], timeout=180)
     assert_plane(result, 2, "gloo", "shm")
 
 

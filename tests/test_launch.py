@@ -157,7 +157,35 @@ def test_dry_run_of_local_processes():
                            "MASTER_ADDR=127.0.0.1", f"SMDATAPARALLEL_LOCAL_RANK={rank}"):
             assert f" {assignment} " in f" {line} ", (assignment, line)
         assert line.endswith("-m smddp._bootstrap train.py --lr 1")
-    assert "local processes" in result.stderr
+
+
+def test_local_job_fails_when_every_rank_fails_at_once(tmp_path):
+    # Ranks that all exit before the supervisor's first look still make the job fail.
+    import io
+
+    from smddp._local_job import LocalJob
+
+    fail = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    for _ in range(3):
+        out, err = io.BytesIO(), io.BytesIO()
+        assert LocalJob([(fail, dict(os.environ)), (fail, dict(os.environ))]).run(out, err) == 3
+
+
+def test_one_host_default_starts_no_mpirun_and_mpi4py_says_so(tmp_path):
+    """On one host smddprun starts the ranks itself; a script's own mpi4py is refused, not a world of 1."""
+    script = tmp_path / "uses_mpi4py.py"
+    script.write_text("import os\nprint('STARTED', os.environ['RANK'], flush=True)\n"
+                      "from mpi4py import MPI\nprint('SIZE', MPI.COMM_WORLD.Get_size(), flush=True)\n")
+    dry = run([*PY_LAUNCH, "-np", "2", "--dry-run", str(script)], timeout=30).check()
+    assert "mpirun" not in dry.stdout and len(dry.stdout.strip().splitlines()) == 2, dry.output
+    result = run([*PY_LAUNCH, "-np", "2", str(script)], timeout=60)
+    assert result.returncode != 0, result.output
+    assert sorted(re.findall(r"STARTED (\d)", result.stdout)) == ["0", "1"], result.output
+    assert "SIZE" not in result.stdout, result.output
+    assert "smddprun started without mpirun" in result.stderr and "--launcher mpirun" in result.stderr, result.output
+    if MPIRUN is not None:
+        under_mpi = run([*PY_LAUNCH, "--launcher", "mpirun", "-np", "2", str(script)], timeout=60).check()
+        assert sorted(re.findall(r"SIZE (\d)", under_mpi.stdout)) == ["2", "2"], under_mpi.output
 
 
 def test_clear_errors_instead_of_a_start(tmp_path):
@@ -232,7 +260,7 @@ def test_alias_fills_in_beside_smdistributed_modelparallel(tmp_path):
 
 @pytest.mark.mpi
 def test_every_rank_gets_its_environment_and_the_alias():
-    result = run([*SMDDPRUN, "-np", "2", PROBE, "-np", "5", "--dry-run"], timeout=120).check()
+    result = run([*SMDDPRUN, "--launcher", "mpirun", "-np", "2", PROBE, "-np", "5", "--dry-run"], timeout=120).check()
     probes = {rank: json.loads(rest) for rank, rest in tagged(result.stdout, "PROBE").items()}
     assert sorted(probes) == [0, 1], result.output
     assert sorted(p["local_rank"] for p in probes.values()) == [0, 1]
@@ -260,7 +288,7 @@ def test_unmodified_sagemaker_script_trains_on_3_ranks(tmp_path):
 
 
 def test_without_mpirun_smddprun_starts_the_ranks_itself(tmp_path):
-    """A virtual environment without Open MPI and a PATH without mpirun: the local fallback."""
+    """A virtual environment without Open MPI and a PATH without mpirun: one host's job runs all the same."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
                    check=True, timeout=60)
@@ -270,8 +298,10 @@ def test_without_mpirun_smddprun_starts_the_ranks_itself(tmp_path):
     model_dir = tmp_path / "model"
     result = run([str(venv / "bin" / "python"), "-m", "smddp.launch", "-np", "2", str(EXAMPLES / "train_v2.py"),
                   "--samples", "512", "--model-dir", str(model_dir)], timeout=240, env={"PATH": path})
-    assert "no mpirun found" in result.stderr, result.output
     assert_trained_in_sync(result, 2, model_dir)
+    forced = run([str(venv / "bin" / "python"), "-m", "smddp.launch", "--launcher", "mpirun", "-np", "2", "x.py"],
+                 timeout=60, env={"PATH": path})
+    assert forced.returncode == 2 and "no mpirun found" in forced.stderr, forced.output
 
 
 @pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])

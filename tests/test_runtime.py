@@ -43,13 +43,14 @@ def assert_sagemaker_runtime(found: dict, size: int, local_size: int, instance_t
 
 @pytest.mark.mpi
 def test_smddprun_under_mpirun():
-    result = run([*SMDDPRUN, "-np", "2", PROBE, "--init"], timeout=120,
+    result = run([*SMDDPRUN, "--launcher", "mpirun", "-np", "2", PROBE, "--init"], timeout=120,
                  env={"SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"})
     assert_sagemaker_runtime(reports(result, 2), 2, 2, "ml.p4d.24xlarge")
 
 
 def test_smddprun_without_mpirun():
-    result = run([*SMDDPRUN, "--launcher", "local", "-np", "2", PROBE, "--init"], timeout=120)
+    # smddprun's default on one host: no mpirun.
+    result = run([*SMDDPRUN, "-np", "2", PROBE, "--init"], timeout=120)
     assert_sagemaker_runtime(reports(result, 2), 2, 2)
 
 

@@ -43,6 +43,8 @@ __all__ = ["current", "create", "destroy", "register", "request_backend", "resol
 _requested_backend: Optional[str] = None
 _world: Optional[SmddpProcessGroup] = None
 _world_topology: Optional[Topology] = None
+#: Worlds created in this process: each one's groups keep their store keys under its number.
+_worlds = 0
 _lock = threading.Lock()
 _subgroups: List[SmddpProcessGroup] = []
 
@@ -108,12 +110,18 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         InvalidGroupError: a subgroup was asked for while the default group is not smddp's.
         BackendUnavailableError: no backend can serve the group (the error says what can).
     """
-    global _world, _world_topology
+    global _world, _world_topology, _worlds
     timeout = resolve_timeout(options.timeout)
     name = getattr(options, "group_id", "") or ""
+    if not tdist.is_initialized():
+        _worlds += 1
+    # Keys of this world's groups only: a store that outlives a destroy (tcp://, file://, a
+    # caller's) still holds the last world's keys under torch's own prefixes, which repeat.
+    # Every rank initializes the same number of times, so the prefixes agree.
+    store = tdist.PrefixStore(f"smddp-world-{_worlds}/", options.store)
     if tdist.is_initialized():
         topology, ranks = _subgroup_topology(options)
-        ctx = Context(topology, timeout, options.store)
+        ctx = Context(topology, timeout, store)
         communicators = subgroups.subgroup_communicators(_world.engine.comms, ranks, ctx)
     else:
         # A world group torch destroyed without calling its shutdown() (older torch calls it
@@ -124,14 +132,14 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         topology, ranks = _world_topology_for(options.group_rank, options.group_size), None
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
-        communicators = comm.create_communicators(backend, Context(topology, timeout, options.store))
-    engine = Engine(communicators, timeout.total_seconds(), options.store, _labels.ADVICE)
+        communicators = comm.create_communicators(backend, Context(topology, timeout, store))
+    engine = Engine(communicators, timeout.total_seconds(), store, _labels.ADVICE)
     if ranks is not None:
         engine.describe_group(name, ranks)
     group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
     group._set_group_name(name)
     group.native_backends = _functional_backends.attach(
-        group, options.store, topology.rank, topology.size, timeout, name)
+        group, store, topology.rank, topology.size, timeout, name)
     if ranks is None:
         _world, _world_topology = group, topology
     else:
