@@ -159,6 +159,7 @@ def free_port() -> int:
 
 
 _TAG = re.compile(r"^(?:\[\d+,\d+\]<std(?:out|err)>:\s?|\[default\d+\]:)")
+_TORCHRUN_TAG = re.compile(r"\[default\d+\]:")
 
 
 def untagged(output: str) -> str:
@@ -171,6 +172,8 @@ def rank_lines(output: str, prefix: str) -> dict:
     found = {}
     for line in output.splitlines():
         line = _TAG.sub("", line)  # mpirun --tag-output / smddprun "[1,0]<stdout>: ", torchrun --tee "[default1]:"
+        # torchrun's ranks share one stdout: another rank's tag may end a line ("... hierarchical[default1]:").
+        line = _TORCHRUN_TAG.sub("", line)
         parts = line.split(None, 2)
         if len(parts) >= 2 and parts[0].endswith(prefix):
             found[int(parts[1])] = parts[2] if len(parts) > 2 else ""

@@ -172,18 +172,20 @@ def test_joined_completes_once_all_do(world_of_one):
 
     engine = groups.current().engine
     tensors = [torch.ones(2), torch.ones(3)]
-    joined = derived.each(lambda t: engine.all_reduce(t, Op.SUM, async_op=True), tensors)
+    joined = derived.each(engine, lambda t: engine.all_reduce(t, Op.SUM, async_op=True), tensors)
     seen = []
     joined.add_done_callback(seen.append)
     joined.wait()
     assert joined.is_completed() and joined.exception() is None and seen == [joined]
     with pytest.raises(smddp.InvalidArgumentError, match="different lengths"):
-        derived.each(lambda a, b: None, [1, 2], [1])
+        derived.each(engine, lambda a, b: None, [1, 2], [1])
+    # No tensors at all: a handle that is done at once.
+    assert derived.each(engine, lambda t: None, []).wait()
 
 
 @pytest.mark.mpi
 def test_joined_waits_for_handles_still_running(tmp_path):
-    # Rank 1 joins each all_reduce only when rank 0 says so: rank 0's Joined must stay
+    # Rank 1 joins each all_reduce only when rank 0 says so: rank 0's handle of both must stay
     # incomplete, its callback unrun, until the last of its handles completes.
     res = mpirun(2, ["tests/scripts/joined_pending.py", str(tmp_path)], timeout=120).check()
     assert sorted(rank_lines(res.stdout, "JOINED_OK")) == [0, 1], res.output

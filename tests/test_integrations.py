@@ -26,9 +26,9 @@ SMDDPRUN = [sys.executable, "-m", "smddp.launch", "-np", "2"]
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
-def smddprun(script: str, *args: str, env: dict | None = None, prefix: str) -> dict:
-    """Run a script under ``smddprun -np 2``; return each rank's JSON report."""
-    result = run([*SMDDPRUN, str(SCRIPTS / script), *args], timeout=240, env=env).check()
+def smddprun(script: str, *args: str, env: dict | None = None, prefix: str, launcher: str = "auto") -> dict:
+    """Run a script under ``smddprun -np 2 --launcher LAUNCHER``; return each rank's JSON report."""
+    result = run([*SMDDPRUN, "--launcher", launcher, str(SCRIPTS / script), *args], timeout=240, env=env).check()
     reports = {rank: json.loads(body) for rank, body in rank_lines(result.stdout, prefix).items()}
     assert sorted(reports) == [0, 1], result.output
     return reports
@@ -82,7 +82,9 @@ def test_deepspeed_comm_on_smddp_world():
 @pytest.mark.parametrize("environment", ["aws", "mpi"])
 def test_lightning_ddp_strategy(environment):
     pytest.importorskip("lightning", reason="pip install 'smddp[integrations]'")
-    reports = smddprun("lightning_ddp.py", "--env", environment, prefix="LIGHTNING")
+    # Lightning's MPIEnvironment reads the job from mpi4py: it needs mpirun beneath smddprun.
+    launcher = "mpirun" if environment == "mpi" else "auto"
+    reports = smddprun("lightning_ddp.py", "--env", environment, prefix="LIGHTNING", launcher=launcher)
     expected = {"aws": "LightningEnvironment", "mpi": "MPIEnvironment"}[environment]
     for rank, report in reports.items():
         assert (report["world"], report["backend"], report["global_rank"]) == (2, "smddp", rank)

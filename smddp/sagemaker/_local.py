@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import smddp
+from smddp import launch
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, UnsafePathError
 from smddp.sagemaker import _distribution
 from smddp.sagemaker._container import Container, cmd_args, job_hyperparameters, split_hyperparameters
@@ -122,14 +123,18 @@ def gpu_count() -> int:
 def launch_command(nprocs: int, dist: _distribution.Distribution, program: Sequence[str]) -> List[str]:
     """The command that starts ``nprocs`` processes of ``python -m smddp.sagemaker._entry program...``.
 
-    smddprun for the MPI forms (``custom_mpi_options`` become its ``--mpi-args``); torchrun
-    for ``torch_distributed``, through ``python -m smddp.alias`` as smddprun would.
+    smddprun for the MPI forms (``custom_mpi_options`` become its ``--mpi-args``), under
+    mpirun as SageMaker runs them whenever one is installed (the script then sees MPI's
+    variables and may use mpi4py); torchrun for ``torch_distributed``, through
+    ``python -m smddp.alias`` as smddprun would.
     """
     entry = ["-m", "smddp.sagemaker._entry", *program]
     if dist.launcher == _distribution.TORCHRUN:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
                 "-m", "smddp.alias", *entry]
     cmd = [sys.executable, "-m", "smddp.launch", "-np", str(nprocs)]
+    if launch.find_mpirun(os.environ) is not None:
+        cmd += ["--launcher", "mpirun"]
     if dist.mpi_options:
         cmd.append(f"--mpi-args={shlex.join(dist.mpi_options)}")
     return cmd + entry

@@ -1,8 +1,8 @@
-"""``derived.Joined`` over handles that are still running (mpirun -np 2).
+"""``derived.each``: the handle of several collectives, over ones still running (mpirun -np 2).
 
 Rank 1 holds back: it joins the first all_reduce only after rank 0 has looked at the
 joined handle, and the second only after rank 0 has seen the first complete. Rank 0 checks
-that the Joined is incomplete, with no callback run, until its last handle completes.
+that the handle is incomplete, with no callback run, until its last handle completes.
 Argument: a directory both ranks see, for rank 0's "go" files.
 """
 
@@ -49,14 +49,14 @@ def main() -> None:
             handles.append(engine.all_reduce(tensor, Op.SUM, async_op=True))
             return handles[-1]
 
-        joined = derived.each(start, mine)
+        joined = derived.each(engine, start, mine)
         seen = []
         joined.add_done_callback(seen.append)
         time.sleep(0.2)  # rank 1 has not joined either: neither can have completed
         assert not joined.is_completed() and seen == [] and joined.exception() is None
         (signals / "first").touch()
         handles[0].wait()
-        # One of two done: the Joined is not, and its callback has not run.
+        # One of two done: the handle is not, and its callback has not run.
         assert not joined.is_completed() and seen == [], (joined.is_completed(), seen)
         assert torch.equal(mine[0], want[0])
         (signals / "second").touch()
