@@ -172,9 +172,11 @@ def rank_lines(output: str, prefix: str) -> dict:
     found = {}
     for line in output.splitlines():
         line = _TAG.sub("", line)  # mpirun --tag-output / smddprun "[1,0]<stdout>: ", torchrun --tee "[default1]:"
-        # torchrun's ranks share one stdout: another rank's tag may end a line ("... hierarchical[default1]:").
-        line = _TORCHRUN_TAG.sub("", line)
-        parts = line.split(None, 2)
-        if len(parts) >= 2 and parts[0].endswith(prefix):
-            found[int(parts[1])] = parts[2] if len(parts) > 2 else ""
+        # torchrun's agent copies a line's text before its newline has come, and other ranks (or,
+        # across hosts, another agent's ranks) share its stdout: a tag inside a line starts a new one
+        # ("PLANE 3 gloo hierarchical[default1]:PLANE 1 gloo hierarchical").
+        for piece in _TORCHRUN_TAG.split(line):
+            parts = piece.split(None, 2)
+            if len(parts) >= 2 and parts[0].endswith(prefix):
+                found[int(parts[1])] = parts[2] if len(parts) > 2 else ""
     return found
