@@ -2,7 +2,8 @@
 
 ``scripts/ddp_checks.py`` runs every DDP check in one job per world size (exact gradients
 against single-process training, small buckets, different starting weights, ``no_sync``,
-smddp's communication hook and a caller's own, issue order, ``join()`` with uneven inputs,
+smddp's communication hook and a caller's own, issue order, ``join()`` with uneven inputs
+(either divisor; smddp's DDP and torch's own on smddp's group),
 ``find_unused_parameters``, bfloat16, buffers, ``state_dict``, errors); each rank prints
 ``OK <rank> <check>``, and ``HOOK <rank> <plane> on|off``: whether smddp's hook reduced the
 gradients (the shared-memory plane) or torch's path did (any other plane).
@@ -20,7 +21,8 @@ from launchers import ROOT, SCRIPTS, mpirun, python, torchrun
 
 CHECKS = {
     "before_init", "api", "errors", "exact", "exact_small_buckets_different_start", "exact_passthrough",
-    "no_sync", "hook", "order", "join", "unused", "bfloat16", "buffers_broadcast", "buffers_local", "state_dict",
+    "no_sync", "hook", "order", "join", "join_torch_ddp", "unused", "bfloat16", "buffers_broadcast", "buffers_local",
+    "state_dict",
 }
 EXAMPLE = str(ROOT / "examples" / "train.py")
 
@@ -59,6 +61,33 @@ def test_ddp_mpirun_mpi_plane_keeps_torchs_path():
 
 def test_ddp_torchrun_gloo():
     assert_all_checks(torchrun(2, [str(SCRIPTS / "ddp_checks.py")], timeout=240), 2, "gloo")
+
+
+def test_join_dividing_by_active_ranks_refused_without_python_callback_work():
+    """Where torch lacks PythonCallbackWork, join(divide_by_initial_world_size=False) raises
+    before anything is sent instead of hanging in backward (a world of one, torch's class hidden)."""
+    code = (
+        "import torch\n"
+        "import smddp.torch.distributed as dist\n"
+        "from smddp.torch.parallel import distributed as ddp_module\n"
+        "dist.init_process_group()\n"
+        "model = ddp_module.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "with model.join(divide_by_initial_world_size=False):\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "print('ALLOWED')\n"
+        "ddp_module.detached_works = lambda: False\n"
+        "try:\n"
+        "    model.join(divide_by_initial_world_size=False)\n"
+        "except ValueError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "with model.join():\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "print('DEFAULT ALLOWED')\n"
+    )
+    result = python(["-c", code], timeout=120).check()
+    assert "ALLOWED" in result.stdout and "DEFAULT ALLOWED" in result.stdout, result.output
+    assert "REFUSED join(divide_by_initial_world_size=False) needs torch's PythonCallbackWork" in result.stdout, \
+        result.output
 
 
 # --------------------------------------------------------------------------- the example

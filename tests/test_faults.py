@@ -24,6 +24,7 @@ from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine, debug, stall
 from smddp.torch import _labels
+from smddp.torch._work import detached_works
 
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
@@ -102,6 +103,14 @@ def test_timeout_names_the_rank_that_never_arrived_mpi():
     result = mpirun(3, [SCRIPT, "sleep"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
     check_stall(result, [0, 2], "mpi, 3 ranks")
     print(f"job took {time.monotonic() - start:.1f} s; rank 1 would have slept 120 s")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not detached_works(), reason="this torch has no PythonCallbackWork")
+def test_timeout_raised_by_a_wait_from_cpp():
+    """The Work torch's API returned, dropped by Python, waited on by C++ (DDP's join() does that)."""
+    result = mpirun(2, [SCRIPT, "sleep-cpp"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
+    check_stall(result, [0], "mpi, waited on from C++")
 
 
 def test_timeout_names_the_rank_that_never_arrived_gloo():

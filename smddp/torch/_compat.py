@@ -14,6 +14,26 @@ import torch.distributed as tdist
 #: torch's Work base class that a Python subclass may extend (``wait``, ``get_future``).
 WorkBase = tdist._Work if hasattr(tdist, "_Work") else tdist.Work
 
+#: torch's C++ Work whose ``wait(timeout)`` calls a Python function (torch 2.13 has it), or
+#: None. Unlike a Python subclass of :data:`WorkBase`, it keeps working once Python has dropped it.
+CallbackWork = getattr(torch._C._distributed_c10d, "PythonCallbackWork", None)
+
+_C10D_GLOBALS = vars(sys.modules["torch.distributed.distributed_c10d"])
+
+
+def called_by_torch_api(depth: int) -> bool:
+    """True when the frame ``depth`` levels above the caller's is ``torch.distributed``'s API.
+
+    ``1`` asks about the caller's caller: whether a function of
+    ``torch.distributed.distributed_c10d`` (``all_reduce``, ``broadcast``, ...) called it,
+    which hands the group's Work to Python code; not C++ (DDP's reducer, through torch's
+    trampoline), which keeps what it gets alive itself.
+    """
+    try:
+        return sys._getframe(depth + 1).f_globals is _C10D_GLOBALS
+    except ValueError:  # no Python frame that deep: a C++ thread called
+        return False
+
 
 def register_backend(name: str, creator: Callable, devices) -> None:
     """Register ``creator(options, backend_options)`` as torch backend ``name`` (once)."""

@@ -3,7 +3,9 @@
 After ``init_process_group()`` torch's default group is a :class:`SmddpProcessGroup`, so
 ``torch.distributed.all_reduce``, torch's DDP, samplers, Hugging Face and Lightning run on
 smddp's communicator. Work objects carry real futures, completed by the engine's progress
-thread, so torch's DDP overlaps gradient reduction with backward.
+thread, so torch's DDP overlaps gradient reduction with backward. What ``torch.distributed``'s
+API returns to Python asynchronously is a :class:`~smddp.torch._work.DetachedWork`, which C++
+may hold and wait on after Python has dropped it (see :func:`_work`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _compat, _labels
-from smddp.torch._work import RecvWork, Work
+from smddp.torch._work import DetachedWork, RecvWork, Work, detached_works
 
 BACKEND_NAME = "smddp"
 
@@ -109,11 +111,17 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         if tensor.is_sparse:
             # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
             return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
-        op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
+        if isinstance(opts, tdist.AllreduceOptions):
+            op, detach = torch_op(opts.reduceOp), _DETACHED and opts.asyncOp
+        else:
+            op, detach = torch_op(opts or tdist.ReduceOp.SUM), False
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         handle = self.engine.all_reduce(tensor, op, async_op=True, label=_labels.all_reduce_label())
         if self._drive_in_backward and tensor.is_cpu:
             self._finish_with_backward(handle)
+        # _work's choice, inline: on the path of every torch-API all_reduce and DDP bucket.
+        if detach and _compat.called_by_torch_api(1):
+            return DetachedWork(handle, [tensor])
         return Work(handle, [tensor])
 
     def _finish_with_backward(self, handle: Handle) -> None:
@@ -141,62 +149,62 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         tensor = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
-        return Work(self.engine.broadcast(tensor, root, async_op=True), [tensor])
+        return _work(self.engine.broadcast(tensor, root, async_op=True), [tensor], opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = _single(input_tensors, "allgather")
         outputs = _single(output_tensors, "allgather")
-        return Work(self.engine.all_gather(outputs, tensor, async_op=True), outputs)
+        return _work(self.engine.all_gather(outputs, tensor, async_op=True), outputs, opts)
 
     def _allgather_base(self, output, input, opts=None):
-        return Work(self.engine.all_gather_into_tensor(output, input, async_op=True), [output])
+        return _work(self.engine.all_gather_into_tensor(output, input, async_op=True), [output], opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         handle = self.engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=True)
-        return Work(handle, [output])
+        return _work(handle, [output], opts)
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts=None):
-        return Work(self.engine.barrier(async_op=True), [])
+        return _work(self.engine.barrier(async_op=True), [], opts)
 
     # the rest of torch's ProcessGroup, built in smddp.comm.algorithms.derived
     all_gather_single = _allgather_base  # torch >= 2.13 calls it by this name
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        return Work(derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts)), [output])
+        return _work(derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts)), [output], opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _single(output_tensors, "reduce_scatter")
         inputs = _single(input_tensors, "reduce_scatter")
-        return Work(derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts)), [output])
+        return _work(derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts)), [output], opts)
 
     def reduce(self, tensors, opts=None):
         tensor = _single(tensors, "reduce")
         self.engine.checks.rank_arg(opts.rootRank if opts is not None else 0, "dst")
-        return Work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor])
+        return _work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor], opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _single(input_tensors, "gather")
         outputs = _single(output_tensors, "gather") if output_tensors else []
         root = opts.rootRank if opts is not None else 0
-        return Work(derived.gather(self.engine, outputs, tensor, root), [list(outputs)])
+        return _work(derived.gather(self.engine, outputs, tensor, root), [list(outputs)], opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         tensor = _single(output_tensors, "scatter")
         inputs = _single(input_tensors, "scatter") if input_tensors else []
         root = opts.rootRank if opts is not None else 0
-        return Work(derived.scatter(self.engine, tensor, inputs, root), [tensor])
+        return _work(derived.scatter(self.engine, tensor, inputs, root), [tensor], opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        return Work(derived.all_to_all(self.engine, output_tensors, input_tensors), list(output_tensors))
+        return _work(derived.all_to_all(self.engine, output_tensors, input_tensors), list(output_tensors), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _reduce_op(opts)
         handle = derived.each(self.engine, lambda t: self.engine.all_reduce(t, op, async_op=True), tensors)
-        return Work(handle, list(tensors))
+        return _work(handle, list(tensors), opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
@@ -204,12 +212,12 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
         handle = derived.each(
             self.engine, lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
-        return Work(handle, list(output_lists))
+        return _work(handle, list(output_lists), opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         handle = derived.each(
             self.engine, lambda out, t: self.engine.all_gather_into_tensor(out, t, async_op=True), outputs, inputs)
-        return Work(handle, list(outputs))
+        return _work(handle, list(outputs), opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -217,7 +225,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         op = _reduce_op(opts)
         handle = derived.each(
             self.engine, lambda out, t: derived.reduce_scatter_tensor(self.engine, out, t, op), outputs, inputs)
-        return Work(handle, list(outputs))
+        return _work(handle, list(outputs), opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -253,6 +261,24 @@ class SmddpProcessGroup(tdist.ProcessGroup):
                 f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "
                 f"{tensor.device.type} tensors point-to-point here"
             ) from None
+
+
+_DETACHED = detached_works()
+
+
+def _work(handle: Handle, result: list, opts) -> Work:
+    """The Work a collective of the group returns to its caller.
+
+    When ``torch.distributed``'s API (``all_reduce(..., async_op=True)`` and the like) is the
+    caller, the Work goes to Python code, which may hand it to C++ and drop it: DDP's forward
+    gives the reducer the Work of its ``join()`` all-reduce, and backward waits on it. That one
+    is a :class:`DetachedWork`, which keeps working without its Python object. A C++ caller
+    (DDP's reducer) gets a :class:`Work`, which torch keeps alive for it; so does a synchronous
+    call, which torch waits on at once.
+    """
+    if _DETACHED and getattr(opts, "asyncOp", False) and _compat.called_by_torch_api(2):
+        return DetachedWork(handle, result)
+    return Work(handle, result)
 
 
 def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:

@@ -24,6 +24,7 @@ from smddp._topology import discover  # noqa: E402
 from smddp.torch import groups  # noqa: E402
 from smddp.torch.parallel import _hook  # noqa: E402
 from smddp.torch.parallel.distributed import DistributedDataParallel as DDP  # noqa: E402
+from smddp.torch.parallel.distributed import _allreduce_hook as smddp_hook  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 LOCAL_BATCH = 4
@@ -181,7 +182,7 @@ def check_hook(gloo) -> None:
     assert not model._comm_hooks, "smddp's hook was registered before the first forward"
     loss_fn(model, *[shard(t, RANK) for t in global_batch(0)]).backward()
     hooks = [hook for hook, _ in model._comm_hooks]
-    assert hooks == ([_hook.allreduce_hook] if plane == "shm" else []), (plane, hooks)
+    assert hooks == ([smddp_hook] if plane == "shm" else []), (plane, hooks)
     assert not _hook.completes_inline(engine, model.module, env={_hook.ENV: "0"})
     say(f"HOOK {RANK} {plane} {'on' if hooks else 'off'}")
     same_on_every_rank(model.module, gloo, "smddp's default path")
@@ -237,45 +238,50 @@ def check_order() -> None:
     ok("order")
 
 
-def check_join(gloo) -> None:
-    """Uneven inputs under ``model.join()``: joined ranks contribute zeros; the average is over every rank."""
-    steps = [2 + r for r in range(SIZE)]  # rank r trains 2 + r batches
-    model = DDP(net(0), bucket_cap_mb=0.0001)
+def check_join(gloo, name: str, make) -> None:
+    """Uneven inputs under ``model.join()``: joined ranks contribute zeros, and every rank divides
+    by the initial world size (``divide_by_initial_world_size=True``) or by the number of ranks
+    still training (``False``). One model through three epochs, the flag True, False, True (so
+    smddp's hook, where it goes in, is in before the flag changes); in each, rank r trains on
+    2 + (r + epoch) % SIZE batches. Each gradient on each rank still training is checked against
+    the one computed here from every rank's batch, and the model every rank ends with against
+    the same steps taken here; it is bit for bit the same on every rank.
+    """
+    model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with model.join():
-        for step in range(steps[RANK]):
-            x, y = global_batch(30 + step)
-            opt.zero_grad()
-            loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
-            opt.step()
     reference = net(0)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(max(steps)):
-        x, y = global_batch(30 + step)
-        ref_opt.zero_grad()
+
+    def reference_step(epoch: int, step: int, steps: list, divide_by_initial: bool):
+        x, y = global_batch(30 + 10 * epoch + step)
         active = [r for r in range(SIZE) if step < steps[r]]
+        ref_opt.zero_grad()
         for r in active:
             loss_fn(reference, shard(x, r), shard(y, r)).backward()
         for q in reference.parameters():
-            q.grad /= SIZE  # divide_by_initial_world_size=True, torch's default
-        ref_opt.step()
-    for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
-        close(p.detach(), q.detach(), f"join: parameter {pname} after uneven inputs")
-        for r, theirs in enumerate(gathered(p.detach(), gloo)):
-            assert torch.equal(theirs, p.detach()), f"join: {pname} differs between ranks {RANK} and {r}"
+            q.grad /= SIZE if divide_by_initial else len(active)
+        return x, y
 
-    # divide_by_initial_world_size=False: refused before anything is sent (see DDP.join_hook)
-    for hooked in (False, True):
-        other = DDP(net(0))
-        if hooked:
-            loss_fn(other, *[shard(t, RANK) for t in global_batch(40)]).backward()
-        try:
-            other.join(divide_by_initial_world_size=False)
-        except ValueError as exc:
-            assert "divide_by_initial_world_size=True" in str(exc), exc
-        else:
-            raise AssertionError("join(divide_by_initial_world_size=False) did not raise")
-    ok("join")
+    for epoch, divide_by_initial in enumerate((True, False, True)):
+        steps = [2 + (r + epoch) % SIZE for r in range(SIZE)]
+        what = f"{name}: epoch {epoch} (divide_by_initial_world_size={divide_by_initial})"
+        with model.join(divide_by_initial_world_size=divide_by_initial):
+            for step in range(steps[RANK]):
+                x, y = reference_step(epoch, step, steps, divide_by_initial)
+                opt.zero_grad()
+                loss_fn(model, shard(x, RANK), shard(y, RANK)).backward()
+                for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
+                    close(p.grad, q.grad, f"{what}, step {step}: {pname}'s gradient")
+                opt.step()
+                ref_opt.step()
+        for step in range(steps[RANK], max(steps)):  # the steps taken while this rank had joined
+            reference_step(epoch, step, steps, divide_by_initial)
+            ref_opt.step()
+        for (pname, p), q in zip(model.module.named_parameters(), reference.parameters()):
+            close(p.detach(), q.detach(), f"{what}: parameter {pname} after the epoch")
+            for r, theirs in enumerate(gathered(p.detach(), gloo)):
+                assert torch.equal(theirs, p.detach()), f"{what}: {pname} differs between ranks {RANK} and {r}"
+    ok(name)
 
 
 def check_unused(gloo) -> None:
@@ -417,7 +423,9 @@ def main() -> None:
     check_no_sync()
     check_hook(gloo)
     check_order()
-    check_join(gloo)
+    # smddp's DDP (its hook on the shared-memory plane), then torch's own on smddp's group (no hook)
+    check_join(gloo, "join", lambda: DDP(net(0), bucket_cap_mb=0.0001))
+    check_join(gloo, "join_torch_ddp", lambda: torch.nn.parallel.DistributedDataParallel(net(0), bucket_cap_mb=0.0001))
     check_unused(gloo)
     check_bf16()
     check_buffers(True)

@@ -3,7 +3,8 @@
 Run by tests/test_ownership.py under mpirun -np 2/3 (and torchrun with gloo). Through
 ``torch.distributed`` on the "smddp" backend, each case starts asynchronous operations,
 drops (or deletes and collects) their Work, runs more collectives, then checks every
-tensor against the answer computed locally from seeded per-rank inputs. Prints
+tensor against the answer computed locally from seeded per-rank inputs; Works handed to C++
+before Python drops them are waited on from C++. Prints
 ``CHECK <rank> <name>`` per passed check, ``FAILED <rank> <name> <why>`` per failure, then
 ``PASSED <rank> <count>`` or ``FAILURES <rank> <count>``. With ``exit-in-flight``, the
 script ends with operations in flight (their handles dropped) and must still exit 0.
@@ -22,6 +23,7 @@ import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.base import Op
 from smddp.torch import groups
+from smddp.torch._work import DetachedWork, detached_works
 
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
@@ -137,6 +139,29 @@ def work_collected_in_flight() -> None:
         check(f"next Work's result {numel}", u, summed(numel, torch.float64, 61))
 
 
+def held_by_cpp() -> None:
+    """Works that torch's API returned, handed to C++ and dropped by Python at once (DDP's forward
+    does that with its ``join()`` all-reduce): C++ waits on each and reads its future."""
+    if not detached_works():
+        return  # this torch has no PythonCallbackWork: C++ would wait forever
+    cases = []
+    for numel in SIZES:
+        t = value(rank, numel, torch.float32, 100)
+        boxed = tdist.all_reduce(t, op=tdist.ReduceOp.AVG, async_op=True).boxed()  # a C++ reference
+        cases.append((f"all_reduce held by C++ {numel}", boxed, t, summed(numel, torch.float32, 100) / size))
+        out = torch.empty(size * numel)
+        boxed = tdist.all_gather_into_tensor(out, value(rank, numel, torch.float32, 101), async_op=True).boxed()
+        cases.append((f"all_gather_into_tensor held by C++ {numel}", boxed, out,
+                      torch.cat([value(r, numel, torch.float32, 101) for r in range(size)])))
+    gc.collect()
+    for name, boxed, got, want in cases:
+        work = tdist.Work.unbox(boxed)  # the C++ object: its Python object is gone
+        checklist.check(f"{name}: no Python object left", not isinstance(work, DetachedWork), type(work).__name__)
+        checklist.check(f"{name}: wait() from C++", work.wait() is True)
+        check(name, got, want)
+        check(f"{name}: its future, as DDP's reducer reads it", work.get_future().value()[0], want)
+
+
 def isend_without_wait() -> None:
     for numel in SIZES:
         right, left = (rank + 1) % size, (rank - 1) % size
@@ -185,6 +210,7 @@ all_reduce_dropped()
 broadcast_all_gather_dropped()
 reduce_scatter_dropped()
 work_collected_in_flight()
+held_by_cpp()
 isend_without_wait()
 raising_callback()
 status = checklist.summary()

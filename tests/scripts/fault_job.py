@@ -6,7 +6,8 @@ reads (times are ``time.time()`` stamps or elapsed seconds):
 - ``crash``: rank 1 raises before a collective the others wait in.
 - ``die``: rank 1 exits at once (``os._exit``) before that collective.
 - ``sleep``: rank 1 sleeps past the timeout; the others time out naming it, then check that
-  further collectives fail at once.
+  further collectives fail at once. ``sleep-cpp``: the same, the others' all-reduce started
+  through torch's API and waited on from C++ after Python has dropped its Work.
 - ``mismatch``: (``SMDDP_DEBUG=1``) shapes, ops, dtypes, roots, operations and all-to-all
   splits that differ across ranks; every rank must raise, and the job goes on.
 - ``uneven``: DDP where rank 1 has fewer batches and then leaves; with ``SMDDP_DEBUG=1`` it
@@ -16,11 +17,13 @@ reads (times are ``time.time()`` stamps or elapsed seconds):
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
 
 import torch
+import torch.distributed as tdist
 
 torch.set_num_threads(1)
 
@@ -54,7 +57,7 @@ def die() -> None:
     say("UNREACHABLE")
 
 
-def sleep() -> None:
+def sleep(waited_from_cpp: bool = False) -> None:
     t = torch.ones(4)
     dist.all_reduce(t)
     dist.barrier()
@@ -63,7 +66,14 @@ def sleep() -> None:
         return
     start = time.monotonic()
     try:
-        dist.all_reduce(t)
+        if waited_from_cpp:
+            # torch's API returns the Work; Python hands it to C++ and drops it (as DDP's forward
+            # does with its join() all-reduce); C++ waits on it.
+            boxed = tdist.all_reduce(t, async_op=True).boxed()
+            gc.collect()
+            tdist.Work.unbox(boxed).wait()
+        else:
+            dist.all_reduce(t)
     except smddp.CollectiveTimeout as exc:
         say("TIMEOUT", f"{time.monotonic() - start:.2f}", str(exc).replace("\n", " "))
     start = time.monotonic()
@@ -133,5 +143,7 @@ def hold() -> None:
 if __name__ == "__main__":
     dist.init_process_group()
     say("READY", time.time())
-    {"crash": crash, "die": die, "sleep": sleep, "mismatch": mismatch, "uneven": uneven, "hold": hold}[MODE]()
+    modes = {"crash": crash, "die": die, "sleep": sleep, "sleep-cpp": lambda: sleep(waited_from_cpp=True),
+             "mismatch": mismatch, "uneven": uneven, "hold": hold}
+    modes[MODE]()
     say("END", time.time())

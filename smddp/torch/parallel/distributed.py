@@ -18,9 +18,12 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 import smddp.torch.parallel._hook as _hook
+from smddp.comm.base import Op
 from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
+from smddp.torch import _compat
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups
+from smddp.torch._work import detached_works
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -160,12 +163,13 @@ class DistributedDataParallel(_TorchDDP):
         self._smddp_hook = "pending" if (
             _hook.completes_inline(pg.engine, self.module) and not self._comm_hooks
             and not getattr(self, "_use_python_reducer", False)) else "off"
+        self._smddp_hook_state = _HookState(pg.engine)
 
     def forward(self, *inputs, **kwargs):
         """Run the module's forward (torch's DDP), installing smddp's all-reduce hook the first time."""
         if self._smddp_hook == "pending":
             self._smddp_hook = "on"
-            super().register_comm_hook(_smddp_group().engine, _hook.allreduce_hook)
+            super().register_comm_hook(self._smddp_hook_state, _allreduce_hook)
         return super().forward(*inputs, **kwargs)
 
     def _replace_smddp_hook(self, what: str) -> None:
@@ -197,18 +201,62 @@ class DistributedDataParallel(_TorchDDP):
     def join_hook(self, **kwargs):
         """torch's DDP join hook (``model.join()``, ``torch.distributed.algorithms.Join``), for uneven inputs.
 
-        Joined ranks contribute zero gradients and every rank divides by the world size the job
-        started with (torch's default, ``divide_by_initial_world_size=True``).
+        Joined ranks contribute zero gradients. With ``divide_by_initial_world_size=True`` (torch's
+        default) every rank divides by the world size the job started with; with ``False``, by
+        the number of ranks that have not joined yet, as in torch: smddp's communication hook
+        then counts them with a one-element all-reduce per step.
 
         Raises:
-            InvalidArgumentError: ``divide_by_initial_world_size=False``, before anything is sent.
-                torch's reducer then waits, inside backward, on a ``Work`` that smddp's process
-                group returned from Python and that Python has already released; torch falls
-                back to a wait that never ends. smddp refuses it rather than hang.
+            InvalidArgumentError: ``divide_by_initial_world_size=False`` on a torch without
+                ``PythonCallbackWork`` (torch 2.13 has it), before anything is sent: there torch's
+                reducer would wait forever on the ``Work`` of the forward's all-reduce once Python
+                has dropped it (see :mod:`smddp.torch._work`).
         """
-        if not kwargs.get("divide_by_initial_world_size", True):
+        divide_by_active = not kwargs.get("divide_by_initial_world_size", True)
+        if divide_by_active and not detached_works():
             raise InvalidArgumentError(
-                "join(divide_by_initial_world_size=False) is not supported by smddp's DistributedDataParallel "
-                "(torch's reducer would wait forever on a released Work): use divide_by_initial_world_size=True, "
-                "the default, which divides by the initial world size")
+                f"join(divide_by_initial_world_size=False) needs torch's PythonCallbackWork, which torch "
+                f"{torch.__version__} lacks (torch's reducer would wait forever on a dropped Work): use "
+                f"divide_by_initial_world_size=True, the default, or a newer torch")
+        self._smddp_hook_state.divide_by_active = divide_by_active
         return super().join_hook(**kwargs)
+
+
+class _HookState:
+    """The state of smddp's communication hook: the group's engine, and what to divide by."""
+
+    __slots__ = ("engine", "divide_by_active", "scale")
+
+    def __init__(self, engine):
+        self.engine = engine
+        #: ``join(divide_by_initial_world_size=False)``: divide by the ranks still training.
+        self.divide_by_active = False
+        #: This step's world size over the number of ranks still training.
+        self.scale = 1.0
+
+
+def _allreduce_hook(state: _HookState, bucket) -> torch.futures.Future:
+    """smddp's hook (:func:`._hook.allreduce_hook`), dividing by the ranks not yet joined where asked.
+
+    torch's reducer divides by that number only on its own path; with a hook, the hook divides.
+    Ranks that have joined run the hook outside backward, on zero buckets, in the same bucket
+    order (torch's ``_match_all_reduce_for_bwd_pass``); so at the first bucket of a step every
+    rank adds 1 if it is still training (in backward), 0 if it has joined, and the average over
+    the world is scaled by the world size over that count.
+    """
+    future = _hook.allreduce_hook(state.engine, bucket)
+    if not state.divide_by_active:
+        return future
+    if bucket.index() == 0:
+        training = torch.ones(1) if _compat.in_backward() else torch.zeros(1)
+        state.engine.all_reduce(training, Op.SUM)
+        state.scale = state.engine.size / max(training.item(), 1.0)
+    scale = state.scale
+    if scale == 1.0:
+        return future
+    return future.then(lambda done: done.value().mul_(scale))
+
+
+# torch checks a hook's annotations against its own types; this module's are strings.
+_allreduce_hook.__annotations__ = {
+    "state": _HookState, "bucket": tdist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
