@@ -270,3 +270,13 @@ def test_step_benchmark_tiny_run_reports_every_contender(script, rows):
     for row in rows:
         assert any(line.startswith("| ") and row in line for line in res.stdout.splitlines()), (row, res.output)
     assert "load average" in res.stdout and "command: python" in res.stdout, res.output
+
+
+def test_work_overhead_tiny_run_reports_every_call():
+    """benchmarks/work_overhead.py in a world of 1: each call timed, with the machine and the command."""
+    res = python([str(ROOT / "benchmarks" / "work_overhead.py"), "--iters", "20", "--rounds", "1"], timeout=120)
+    res.check()
+    for call in ("sync", "async", "async-broadcast"):
+        assert any(line.strip().startswith(f"{call}:") and line.endswith("us per call")
+                   for line in res.stdout.splitlines()), (call, res.output)
+    assert "load average" in res.stdout and "# python benchmarks/work_overhead.py" in res.stdout, res.output
