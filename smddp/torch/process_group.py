@@ -111,18 +111,12 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         if tensor.is_sparse:
             # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
             return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
-        if isinstance(opts, tdist.AllreduceOptions):
-            op, detach = torch_op(opts.reduceOp), _DETACHED and opts.asyncOp
-        else:
-            op, detach = torch_op(opts or tdist.ReduceOp.SUM), False
+        op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         handle = self.engine.all_reduce(tensor, op, async_op=True, label=_labels.all_reduce_label())
         if self._drive_in_backward and tensor.is_cpu:
             self._finish_with_backward(handle)
-        # _work's choice, inline: on the path of every torch-API all_reduce and DDP bucket.
-        if detach and _compat.called_by_torch_api(1):
-            return DetachedWork(handle, [tensor])
-        return Work(handle, [tensor])
+        return _work(handle, [tensor], opts)
 
     def _finish_with_backward(self, handle: Handle) -> None:
         """Complete ``handle`` in this thread when the running backward pass ends.
