@@ -164,6 +164,7 @@ class _World:
         self.rounds: Dict[int, Dict[int, object]] = {}
         self.aborted: set = set()  # ranks whose communicator was aborted
         self.joined: set = set()  # ranks whose NcclCommunicator(...) was called
+        self.gone = False  # set by a test: a creation still waiting for peers fails now
         self.mail: Dict[tuple, torch.Tensor] = {}
 
 
@@ -231,7 +232,7 @@ class HostCommunicator:
         with w.cv:  # ncclCommInitRank returns once every rank of the id has joined
             w.joined.add(rank)
             w.cv.notify_all()
-            if not w.cv.wait_for(lambda: len(w.joined) == ndev, fake.init_wait):
+            if not w.cv.wait_for(lambda: len(w.joined) == ndev or w.gone, fake.init_wait) or w.gone:
                 raise RuntimeError(f"stand-in: ncclCommInitRank of rank {rank} waited {fake.init_wait:g} s "
                                    f"for ranks {sorted(set(range(ndev)) - w.joined)}")
         self.error: Optional[str] = None  # set by a test: what check_async_error() raises
@@ -254,7 +255,7 @@ class HostCommunicator:
             raise RuntimeError(self.error)
         if not w.cv.wait_for(lambda: self.aborted or ready(), STUCK):
             raise RuntimeError(f"stand-in: rank {self.rank} waited {STUCK:g} s for its peers")
-        if not ready():
+        if self.aborted or not ready():  # an abort ends every operation of the communicator
             raise RuntimeError(f"NCCL communicator of rank {self.rank} was aborted")
 
     def _exchange(self, value) -> list:
