@@ -408,25 +408,35 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     real_pick = nccl_module.pick_device
 
     def pick_device(ctx, kind):
-        thread.chosen = real_pick(ctx, kind).index
+        if ctx.device is None or ctx.device.type == kind:  # smddp before issue 34 passed the CPU device on
+            thread.chosen = real_pick(ctx, kind).index
         return torch.device("cpu")
 
     monkeypatch.setattr(nccl_module, "pick_device", pick_device)
-    monkeypatch.setattr(nccl_module, "cuda_index", lambda device: thread.chosen)
+    # raising=False: the same stand-in also runs the tests against smddp before it had these
+    monkeypatch.setattr(nccl_module, "cuda_index", lambda device: thread.chosen, raising=False)
     monkeypatch.setattr(HostEvent, "fake", fake)
     # Each thread is a process here: per-process counts become per-thread.
     monkeypatch.setattr(stall_module, "_engines", PerThreadCount())
+    monkeypatch.setattr(sys.modules["smddp.comm.backends.nccl_uid"], "_generation", PerThreadCount(), raising=False)
     fake.current, fake.runtime = current, runtime
     return fake
 
 
 class PerThreadCount:
-    """``itertools.count()`` per thread: the per-process count of a rank that is a thread."""
+    """``itertools.count()`` per rank: the per-process count of a rank that is a thread.
+
+    Keyed by the thread's name (``rank-<r>`` in tests/nccl_ranks.py), so a rank's count goes on
+    across the worlds a test makes one after the other, as a process's would.
+    """
 
     def __init__(self):
-        self.local = threading.local()
+        self.values: Dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def __next__(self) -> int:
-        value = getattr(self.local, "value", 0)
-        self.local.value = value + 1
-        return value
+        with self.lock:
+            name = threading.current_thread().name
+            value = self.values.get(name, 0)
+            self.values[name] = value + 1
+            return value

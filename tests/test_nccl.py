@@ -10,12 +10,13 @@ done. Deadlines and failures: tests/test_nccl_failures.py.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as tdist
-from nccl_ranks import expected_reduce, gate, run_ranks, seeded
+from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
 from nccl_standin import install
 
 from smddp import _excepthook
@@ -184,6 +185,7 @@ def test_the_groups_own_stream_is_the_default_and_orders_both_ways(monkeypatch):
 def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
     """bool as uint8 (SUM an or), complex as its real view, float8 as bytes; refusals raise before
     anything is sent and leave the ranks in step; int16 is refused, as by torch's NCCL group."""
+    both = threading.Barrier(2, timeout=JOIN)  # the stand-in's record of calls is shared by the ranks
 
     def body(r, engine, nccl_comm):
         got = {}
@@ -210,6 +212,7 @@ def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
         flat = torch.zeros(12, dtype=torch.float8_e4m3fn)
         engine.all_gather_into_tensor(flat, f8)
         got["float8 all_gather"] = flat
+        both.wait()
         codes = len(fake.op_codes)
         with pytest.raises(InvalidTypeError, match="AVERAGE of bool"):
             engine.all_reduce(torch.ones(3, dtype=torch.bool), Op.AVERAGE)
@@ -220,6 +223,7 @@ def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
         with pytest.raises(InvalidTypeError, match="int16 is not supported by the nccl backend"):
             engine.all_reduce(torch.ones(3, dtype=torch.int16), Op.SUM)
         got["sent after refusals"] = len(fake.op_codes) - codes
+        both.wait()
         after = seeded(r, (3,), torch.float32, 43)
         engine.all_reduce(after, Op.SUM)  # the ranks are still in step
         got["after"] = after

@@ -165,6 +165,8 @@ class NCCLCommunicator(Communicator):
         if self.nccl_version < NCCL_2_10:
             self.dtypes = frozenset(self.dtypes - {torch.bfloat16})
         self._ctx = ctx
+        #: ``device_id``, as given (subgroups inherit it); ``_bound``: the device it names here.
+        self.device_id = ctx.device
         self._bound = pick_device(ctx, "cuda") if ctx.device is not None else None  # checks device_id now
         self._lane: Optional[Lane] = None
         self._open_lock = threading.Lock()
@@ -183,7 +185,7 @@ class NCCLCommunicator(Communicator):
 
     def subgroup(self, ranks: Sequence[int], ctx: Context) -> NCCLCommunicator:
         """An NCCL communicator over the group of global ``ranks`` (its own id, in its own store)."""
-        device = ctx.device if ctx.device is not None else self._bound
+        device = ctx.device if ctx.device is not None else self.device_id
         return type(self)(dataclasses.replace(ctx, device=device))
 
     # ------------------------------------------------------------------ the communicator, at first use
