@@ -253,7 +253,8 @@ def _fake_cupy(monkeypatch, *, available=True, bf16=True, uid=None, version=2270
 
 
 def test_load_nccl_without_cupy_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl"):  # a real CuPy may be imported already
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     with pytest.raises(BackendUnavailableError) as err:
         load_nccl()
     for needle in ("pip install 'smddp[cuda12]'", "cupy-cuda12x", "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"):
