@@ -10,7 +10,9 @@ done. Deadlines and failures: tests/test_nccl_failures.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import types
 from datetime import timedelta
 
 import pytest
@@ -23,6 +25,7 @@ from smddp import _excepthook
 from smddp._topology import Topology
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import NCCL_2_10
+from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.subgroups import group_topology, subgroup_communicators
@@ -369,3 +372,49 @@ def test_a_world_made_again_after_a_subgroup_meets_under_the_same_key(fake):
     again = run_ranks(fake, 3, second, timeout=10.0, master=master, prefix="world-2")
     for r in range(3):
         assert torch.equal(again[r], expected_reduce(3, (4,), torch.float32, Op.SUM, 1))
+
+
+def test_device_id_is_read_where_torch_creates_the_group():
+    """torch passes init_process_group's (and new_group's) device_id to _new_process_group_helper,
+    not to a backend's creator: smddp's creator reads it from that frame."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from smddp.torch import _compat
+
+    assert "device_id" in inspect.signature(c10d._new_process_group_helper).parameters
+
+    def _new_process_group_helper(device_id, creator):  # torch's name, in torch's module
+        return creator()
+
+    helper = types.FunctionType(_new_process_group_helper.__code__, vars(c10d), "_new_process_group_helper")
+    assert helper(torch.device("cuda", 3), _compat.requested_device_id) == torch.device("cuda", 3)
+    assert helper(None, _compat.requested_device_id) is None
+    assert _compat.requested_device_id() is None  # not inside torch's group creation
+
+
+def test_torch_nccl_connects_at_first_use_unless_given_a_device_id(monkeypatch):
+    """As torch: a ProcessGroupNCCL makes its communicator at first use; eagerly only for device_id."""
+    connected = []
+
+    class ProcessGroupNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options):
+            pass
+
+        def eager_connect_single_device(self, device):
+            connected.append(device)
+
+    monkeypatch.setattr(torch._C._distributed_c10d, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(tdist, "is_nccl_available", lambda: True)
+    ctx = Context(Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none"), timedelta(seconds=5))
+    TorchNCCLCommunicator(ctx)
+    assert connected == []
+    TorchNCCLCommunicator(dataclasses.replace(ctx, device=torch.device("cuda", 2)))
+    assert connected == [torch.device("cuda", 2)]

@@ -96,3 +96,22 @@ def test_the_offline_install_line_works_and_every_gpu_test_collects(tmp_path):
     assert "error" not in collected.stdout.lower(), collected.output
     gpu_files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
     assert "tests/test_gpu.py" in gpu_files, collected.output
+
+
+def test_one_extra_per_cuda_version_each_with_its_cupy_and_nccl():
+    """[cuda12] and [cuda13] each bring one CuPy and its NCCL; no extra brings two CuPy packages
+    (they overwrite each other); the install hint names both."""
+    import configparser
+
+    from smddp.comm.needs import CUDA_INSTALL
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = {name: {re.split(r"[<>=;\s]", line.strip(), maxsplit=1)[0] for line in value.splitlines() if line.strip()}
+              for name, value in config["options.extras_require"].items()}
+    assert {"cupy-cuda12x", "nvidia-nccl-cu12"} <= extras["cuda12"]
+    assert {"cupy-cuda13x", "nvidia-nccl-cu13"} <= extras["cuda13"]
+    for name, packages in extras.items():
+        assert len({p for p in packages if p.startswith("cupy")}) <= 1, name
+    assert "cuda" not in extras  # the old name brought CUDA 12's CuPy onto CUDA 13 machines
+    assert "smddp[cuda12]" in CUDA_INSTALL and "smddp[cuda13]" in CUDA_INSTALL

@@ -181,7 +181,9 @@ class NCCLCommunicator(Communicator):
     def device(self) -> torch.device:
         """This rank's CUDA device for the group: the communicator's once made, else the one it would take."""
         lane = self._lane
-        return lane.device if lane is not None else (self._bound or pick_device(self._ctx, "cuda"))
+        if lane is not None:
+            return lane.device
+        return self._bound if self._bound is not None else pick_device(self._ctx, "cuda")
 
     def subgroup(self, ranks: Sequence[int], ctx: Context) -> NCCLCommunicator:
         """An NCCL communicator over the group of global ``ranks`` (its own id, in its own store)."""
@@ -203,7 +205,7 @@ class NCCLCommunicator(Communicator):
             if self._lane is not None:
                 return self._lane_for(seq, op_name, tensor)
             self.raise_failure()
-            device = self._bound or pick_device(self._ctx, "cuda")
+            device = self.device  # device_id, else the current device as set, else the local rank
             if tensor is not None:
                 check_device(tensor, device, self.name)  # before anything is sent
             deadline = time.monotonic() + self._watch.timeout
