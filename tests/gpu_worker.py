@@ -462,30 +462,6 @@ class Worker:
         self.passed("ddp/bf16")
         self.finish()
 
-    def run_fsdp(self) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        self.start()
-        model = FSDP(self._model(seed=0).to(self.device), device_id=self.device)
-        reference = self._model(seed=0).to(self.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for step in range(3):
-            batches = [self._batch(r, step) for r in range(self.size)]
-            x, y = (t.to(self.device) for t in batches[self.rank])
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            (sum(torch.nn.functional.mse_loss(reference(bx.to(self.device)), by.to(self.device))
-                 for bx, by in batches) / self.size).backward()
-            ref_opt.step()
-        with FSDP.summon_full_params(model):
-            for p, q in zip(model.parameters(), reference.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        self.passed("fsdp1/3_steps")
-        self.finish()
-
     # ------------------------------------------------------------------ without CuPy
     def run_no_cupy(self) -> None:
         sys.modules["cupy"] = None  # as if CuPy were not installed

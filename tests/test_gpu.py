@@ -136,11 +136,6 @@ def test_ddp_same_weights_as_torchs_nccl_group(tmp_path):
     _assert_same(_load(tmp_path, "nccl", "ddp"), _load(tmp_path, "torch-nccl", "ddp"), "DDP weights")
 
 
-def test_fsdp1_on_cuda(tmp_path):
-    _cupy_or_skip()
-    _run("fsdp", "nccl", tmp_path)
-
-
 def test_every_gpu_of_the_machine(tmp_path):
     """One rank per GPU under mpirun: real communication between devices."""
     _cupy_or_skip()
