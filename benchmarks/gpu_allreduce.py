@@ -5,7 +5,7 @@
     python benchmarks/gpu_allreduce.py                          # one GPU, world size 1
     mpirun -np 8 python benchmarks/gpu_allreduce.py             # one rank per GPU
     torchrun --nproc-per-node 8 benchmarks/gpu_allreduce.py
-    SMDDP_NCCL_STREAM=side python benchmarks/gpu_allreduce.py   # collectives on a side stream
+    SMDDP_NCCL_STREAM=current python benchmarks/gpu_allreduce.py  # on the caller's stream, not the group's
     python benchmarks/gpu_allreduce.py --sizes 1K,1M --no-ddp --json out.json
 
 Contenders, in the same processes, on the same GPUs:
@@ -217,8 +217,9 @@ def main(argv=None) -> int:
     ddp = None if args.no_ddp else ddp_rounds(group, args.rounds, args.ddp_steps, device)
 
     if rank == 0:
-        stream = os.environ.get("SMDDP_NCCL_STREAM", "current")
-        print(f"# smddp nccl (CuPy, {stream} stream) vs torch's NCCL group: {size} rank(s), one GPU each")
+        from smddp.comm.backends.nccl import stream_mode
+
+        print(f"# smddp nccl (CuPy, {stream_mode()} stream) vs torch's NCCL group: {size} rank(s), one GPU each")
         print(f"# command:  {_command()}")
         print(f"# machine:  {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, "
               f"{platform.node()}, {os.cpu_count()} CPUs")

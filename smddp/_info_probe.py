@@ -46,7 +46,15 @@ def probe_mpi() -> Dict[str, Any]:
 
 
 def probe_cupy() -> Dict[str, Any]:
-    """CuPy's version, with the NCCL and CUDA runtime versions it loads; empty without CuPy."""
+    """CuPy's version, with the NCCL and CUDA runtime versions it loads; empty without CuPy.
+
+    torch is imported first, as smddp's ``nccl`` backend does: a CUDA build of torch loads its
+    NCCL and CUDA libraries, and CuPy then finds and reports those, the ones a job would use.
+    """
+    try:
+        import torch  # noqa: F401 - loads the libraries CuPy must find
+    except Exception:  # noqa: BLE001 - a broken torch is reported by the parent
+        pass
     try:
         import cupy
     except ImportError:

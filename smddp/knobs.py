@@ -107,9 +107,15 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "ring (smddp's, progressed by whoever tests it) or blocking (MPI_Allreduce on a thread)",
          "blocking: about 10% faster alone, but its busy-polling slows DDP's backward"),
     # ---- NCCL
-    Knob("SMDDP_NCCL_STREAM", "current", str,
-         "current or side: the CUDA stream smddp's NCCL collectives run on",
-         "side: DDP overlaps reduction with backward; ordered after the current stream by an event"),
+    Knob("SMDDP_NCCL_STREAM", "side", str,
+         "side (each group's own stream, as torch's NCCL group) or current (the caller's current "
+         "stream): where smddp's NCCL collectives run",
+         "current: no overlap of DDP's reduction with backward, no event per collective"),
+    Knob("SMDDP_NCCL_ASYNC_ERROR_HANDLING", None, int,
+         "what an NCCL collective past its deadline, or an NCCL error, does: 3 ends the process "
+         "(torch's default), 2 aborts the communicator and raises at the next call, 1 aborts then "
+         "ends, 0 only raises (unset: TORCH_NCCL_ASYNC_ERROR_HANDLING, else 3)",
+         "2: the script may catch the error, but a host read before the next call sees un-reduced data"),
 )}
 
 

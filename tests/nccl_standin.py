@@ -11,9 +11,15 @@ with an asynchronous error (``check_async_error()``), as NCCL reports a peer tha
 a wait for a peer that never comes ends after :data:`STUCK` seconds with an error, so a
 broken test cannot hang.
 
+``NcclCommunicator(...)`` returns once every rank of its unique id has made its own, as
+``ncclCommInitRank`` does (or after :attr:`HostNccl.init_wait` seconds, with an error).
+CUDA's per-thread current device is kept per thread (``torch.cuda.set_device``,
+``torch.cuda.device``, ``torch.cuda.current_device``), and every event query records the
+querying thread's device (:attr:`HostNccl.queries`), so a test can see which thread set what.
+
 Install it with :func:`install` (a pytest ``monkeypatch``): tensors stay on the CPU and
 the communicator's own code (pointer and offset arithmetic, dtype and op codes, grouping,
-stream ordering, deadlines, abort, teardown) runs unchanged.
+stream ordering, held tensors, deadlines, abort, teardown) runs unchanged.
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ def reduce(values: List[torch.Tensor], op: int) -> torch.Tensor:
 class HostEvent:
     """A CUDA event: complete once the stream it was recorded on has reached it."""
 
+    #: Set by :func:`install`: the stand-in whose ``queries`` record who asks.
+    fake: Optional[HostNccl] = None
+
     def __init__(self, **kwargs):
         self._done = threading.Event()
         self._done.set()  # never recorded: complete, as in CUDA
@@ -83,6 +92,9 @@ class HostEvent:
         stream.enqueue(done.set)
 
     def query(self) -> bool:
+        fake = HostEvent.fake
+        if fake is not None:
+            fake.queries.append((threading.current_thread().name, getattr(fake.thread, "device", None)))
         return self._done.is_set()
 
     def wait(self) -> None:
@@ -151,6 +163,8 @@ class _World:
         self.cv = threading.Condition()
         self.rounds: Dict[int, Dict[int, object]] = {}
         self.aborted: set = set()  # ranks whose communicator was aborted
+        self.joined: set = set()  # ranks whose NcclCommunicator(...) was called
+        self.gone = False  # set by a test: a creation still waiting for peers fails now
         self.mail: Dict[tuple, torch.Tensor] = {}
 
 
@@ -166,6 +180,17 @@ class HostNccl(types.ModuleType):
 
     def __init__(self, version: int = 22703):
         super().__init__("cupy.cuda.nccl")
+        #: Seconds ``NcclCommunicator(...)`` waits for the other ranks of its id before failing.
+        self.init_wait = STUCK
+        #: Set: ``abort()`` blocks until ``release_abort`` is set (an abort that hangs).
+        self.abort_blocks = threading.Event()
+        self.release_abort = threading.Event()
+        #: ``(thread name, the thread's CUDA device)`` of every event query.
+        self.queries: List[tuple] = []
+        #: Per-thread CUDA state: ``device`` (as set), ``initialized``.
+        self.thread = threading.local()
+        #: ``(thread name, device)`` of every ``torch.cuda.set_device`` call.
+        self.set_devices: List[tuple] = []
         self.available, self.version = True, version
         for name, code in CODES.items():
             setattr(self, name, code)
@@ -201,6 +226,15 @@ class HostCommunicator:
         with fake.lock:
             self.world = fake.worlds.setdefault(uid, _World(ndev))
         self.fake, self.rank = fake, rank
+        self.device = getattr(fake.thread, "device", None)  # the creating thread's, as NCCL binds it
+        self.calls_after_abort: List[str] = []
+        w = self.world
+        with w.cv:  # ncclCommInitRank returns once every rank of the id has joined
+            w.joined.add(rank)
+            w.cv.notify_all()
+            if not w.cv.wait_for(lambda: len(w.joined) == ndev or w.gone, fake.init_wait) or w.gone:
+                raise RuntimeError(f"stand-in: ncclCommInitRank of rank {rank} waited {fake.init_wait:g} s "
+                                   f"for ranks {sorted(set(range(ndev)) - w.joined)}")
         self.error: Optional[str] = None  # set by a test: what check_async_error() raises
         self.destroyed = self.aborted = False
         self.started_after_abort = False  # the current operation began after a peer aborted
@@ -221,7 +255,7 @@ class HostCommunicator:
             raise RuntimeError(self.error)
         if not w.cv.wait_for(lambda: self.aborted or ready(), STUCK):
             raise RuntimeError(f"stand-in: rank {self.rank} waited {STUCK:g} s for its peers")
-        if not ready():
+        if self.aborted or not ready():  # an abort ends every operation of the communicator
             raise RuntimeError(f"NCCL communicator of rank {self.rank} was aborted")
 
     def _exchange(self, value) -> list:
@@ -236,6 +270,8 @@ class HostCommunicator:
             return [slot[r] for r in range(w.size)]
 
     def _enqueue(self, stream: int, work) -> None:
+        if self.aborted:
+            self.calls_after_abort.append(getattr(work, "__qualname__", "call"))
         self.fake.streams[stream].enqueue(work)
 
     def allReduce(self, send, recv, count, code, op, stream):  # noqa: N802 - CuPy's names
@@ -305,6 +341,8 @@ class HostCommunicator:
             self.aborted = True
             self.world.aborted.add(self.rank)
             self.world.cv.notify_all()
+        if self.fake.abort_blocks.is_set():
+            self.fake.release_abort.wait(STUCK)  # ncclCommAbort stuck (a peer holds a lock it needs)
 
 
 def install(monkeypatch, deferred: bool = False) -> HostNccl:
@@ -319,7 +357,6 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
     """
     import smddp.comm.backends.nccl as nccl_module
-    import smddp.comm.backends.nccl_uid as uid_module
     import smddp.comm.engine.stall as stall_module
 
     fake = HostNccl()
@@ -337,8 +374,28 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
             current.stream = HostStream(fake, deferred)  # each thread's default stream
         return current.stream
 
+    thread = fake.thread
+
+    def set_device(device) -> None:
+        index = device.index if isinstance(device, torch.device) else int(device)
+        thread.device, thread.initialized = index, True
+        fake.set_devices.append((threading.current_thread().name, index))
+
+    @contextlib.contextmanager
+    def device_guard(device):
+        before = getattr(thread, "device", None)
+        thread.device = device.index if isinstance(device, torch.device) else device
+        try:
+            yield
+        finally:
+            thread.device = before
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: getattr(thread, "initialized", False))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(thread, "device", None) or 0)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "device", device_guard)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: HostStream(fake, deferred))
     monkeypatch.setattr(torch.cuda, "Event", HostEvent)
@@ -346,21 +403,40 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     # streams avoid it (no AVERAGE before NCCL 2.10, no all_to_all_single to oneself).
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    monkeypatch.setattr(nccl_module, "pick_device", lambda ctx, kind: torch.device("cpu"))
+    # Tensors stay on the CPU; the CUDA index the communicator sets is the real choice
+    # (device_id, the current device as set, the local rank), kept per rank (thread).
+    real_pick = nccl_module.pick_device
+
+    def pick_device(ctx, kind):
+        if ctx.device is None or ctx.device.type == kind:  # smddp before issue 34 passed the CPU device on
+            thread.chosen = real_pick(ctx, kind).index
+        return torch.device("cpu")
+
+    monkeypatch.setattr(nccl_module, "pick_device", pick_device)
+    # raising=False: the same stand-in also runs the tests against smddp before it had these
+    monkeypatch.setattr(nccl_module, "cuda_index", lambda device: thread.chosen, raising=False)
+    monkeypatch.setattr(HostEvent, "fake", fake)
     # Each thread is a process here: per-process counts become per-thread.
-    monkeypatch.setattr(uid_module, "_generation", PerThreadCount())
     monkeypatch.setattr(stall_module, "_engines", PerThreadCount())
+    monkeypatch.setattr(sys.modules["smddp.comm.backends.nccl_uid"], "_generation", PerThreadCount(), raising=False)
     fake.current, fake.runtime = current, runtime
     return fake
 
 
 class PerThreadCount:
-    """``itertools.count()`` per thread: the per-process count of a rank that is a thread."""
+    """``itertools.count()`` per rank: the per-process count of a rank that is a thread.
+
+    Keyed by the thread's name (``rank-<r>`` in tests/nccl_ranks.py), so a rank's count goes on
+    across the worlds a test makes one after the other, as a process's would.
+    """
 
     def __init__(self):
-        self.local = threading.local()
+        self.values: Dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def __next__(self) -> int:
-        value = getattr(self.local, "value", 0)
-        self.local.value = value + 1
-        return value
+        with self.lock:
+            name = threading.current_thread().name
+            value = self.values.get(name, 0)
+            self.values[name] = value + 1
+            return value

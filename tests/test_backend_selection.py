@@ -14,6 +14,7 @@ import logging
 import struct
 import sys
 import threading
+import time
 import types
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ from smddp.comm.backends.nccl import (
     share_unique_id,
     stream_mode,
 )
+from smddp.comm.backends.nccl_cupy import CONVERTED
 from smddp.comm.backends.nccl_uid import encode
 from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
 from smddp.comm.base import Communicator, Context, Done, Op, Pending
@@ -95,7 +97,7 @@ def test_cuda_without_cupy_falls_back_with_a_note_on_rank_0_only(caplog):
         assert choose_backend(None, {}, MPI2, CUDA_NO_CUPY) == "torch-nccl"
     (record,) = caplog.records
     assert "CuPy is not installed" in record.getMessage()
-    assert "smddp[cuda]" in record.getMessage() and "cupy-cuda13x" in record.getMessage()
+    assert "smddp[cuda12]" in record.getMessage() and "cupy-cuda13x" in record.getMessage()
 
 
 def test_intel_gpu_without_oneccl_says_what_to_install():
@@ -156,8 +158,8 @@ def test_requested_backend_beats_the_environment():
     [
         ("nccl", CPU, ["needs a CUDA GPU", "torch.cuda.is_available() is False", "'gloo'"]),
         ("nccl", Probe(xpu=True, xccl=True), ["needs a CUDA GPU"]),
-        ("nccl", CUDA_NO_CUPY, ["needs CuPy", "pip install 'smddp[cuda]'", "cupy-cuda12x", "cupy-cuda13x",
-                                "SMDDP_BACKEND=torch-nccl"]),
+        ("nccl", CUDA_NO_CUPY, ["needs CuPy", "pip install 'smddp[cuda12]'", "'smddp[cuda13]'", "cupy-cuda12x",
+                                "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"]),
         ("torch-nccl", CPU, ["needs a CUDA GPU"]),
         ("xccl", CUDA, ["needs an Intel GPU", "torch.xpu.is_available() is False"]),
         ("xccl", XPU_BARE, ["no XCCL", "oneccl_bind_pt", "torch XPU build >= 2.8"]),
@@ -251,10 +253,11 @@ def _fake_cupy(monkeypatch, *, available=True, bf16=True, uid=None, version=2270
 
 
 def test_load_nccl_without_cupy_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl"):  # a real CuPy may be imported already
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     with pytest.raises(BackendUnavailableError) as err:
         load_nccl()
-    for needle in ("pip install 'smddp[cuda]'", "cupy-cuda12x", "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"):
+    for needle in ("pip install 'smddp[cuda12]'", "cupy-cuda12x", "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"):
         assert needle in str(err.value)
 
 
@@ -279,7 +282,8 @@ NCCL_H = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.f
 def test_dtype_table_matches_nccl_h_with_or_without_cupys_bf16_constant(monkeypatch, bf16):
     table = nccl_dtypes(_fake_cupy(monkeypatch, bf16=bf16))
     assert table == NCCL_H
-    assert set(NCCLCommunicator.dtypes) <= set(table)  # every dtype the engine lets through has a code
+    # every dtype the engine lets through has a code, or travels as one (bool, complex, float8)
+    assert set(NCCLCommunicator.dtypes - CONVERTED) <= set(table)
 
 
 def test_dtype_table_prefers_cupys_constants():
@@ -309,11 +313,12 @@ def test_unique_id_shared_through_the_store(monkeypatch, uid):
     store.set_timeout(timedelta(seconds=10))
     got = {}
 
-    def rank(r: int, generation: int) -> None:
+    def rank(r: int, group: str) -> None:  # each group has a store of its own, as torch gives it
         topology = Topology(rank=r, size=2, local_rank=r, local_size=2, launcher="torchrun")
-        got[(r, generation)] = share_unique_id(fake, topology, store, generation)
+        got[(r, group)] = share_unique_id(fake, topology, tdist.PrefixStore(group, store),
+                                          deadline=time.monotonic() + 20)
 
-    threads = [threading.Thread(target=rank, args=(r, g)) for g in (0, 1) for r in (1, 0)]
+    threads = [threading.Thread(target=rank, args=(r, g)) for g in ("a", "b") for r in (1, 0)]
     for t in threads:
         t.start()
     for t in threads:
@@ -322,7 +327,7 @@ def test_unique_id_shared_through_the_store(monkeypatch, uid):
     for value in got.values():
         assert type(value) is type(uid) and value == uid
     assert fake.calls == ["get_unique_id"] * 2  # rank 0 only, once per communicator
-    assert store.check(["smddp/nccl/0/unique_id", "smddp/nccl/1/unique_id"])
+    assert store.check(["a/smddp/nccl/cuda/unique_id", "b/smddp/nccl/cuda/unique_id"])
 
 
 class WireMPI:
@@ -381,11 +386,11 @@ def test_unique_id_refuses_anything_but_raw_id_bytes(monkeypatch, tmp_path, plan
     assert planted != "pickle" or (pickle.loads(blob), marker.exists())[1]  # the payload is live
     marker.unlink(missing_ok=True)
     store = tdist.HashStore()
-    store.set("smddp/nccl/0/unique_id", blob)
+    store.set("smddp/nccl/cuda/unique_id", blob)
     rank1 = Topology(rank=1, size=2, local_rank=1, local_size=2, launcher="torchrun")
-    with pytest.raises(CollectiveError, match="NCCL unique id received from store key 'smddp/nccl/0/unique_id' "
+    with pytest.raises(CollectiveError, match="NCCL unique id received from store key 'smddp/nccl/cuda/unique_id' "
                                               "is malformed .* and was refused"):
-        share_unique_id(fake, rank1, store, 0)
+        share_unique_id(fake, rank1, store)
     assert not marker.exists(), "the planted object was unpickled"
     # Over MPI too: a malformed message is refused, never run.
     wire = [struct.pack("!Q", len(blob)), blob]
@@ -429,8 +434,8 @@ def test_all_to_all_plan_rejects_bad_counts():
 
 
 def test_stream_mode_from_environment():
-    assert stream_mode({}) == "current"
-    assert stream_mode({"SMDDP_NCCL_STREAM": "Side"}) == "side"
+    assert stream_mode({}) == "side"  # the group's own stream, as torch's NCCL group
+    assert stream_mode({"SMDDP_NCCL_STREAM": "Current"}) == "current"
     with pytest.raises(InvalidArgumentError, match="SMDDP_NCCL_STREAM"):
         stream_mode({"SMDDP_NCCL_STREAM": "other"})
 

@@ -125,9 +125,13 @@ class _StandInNCCL:
     name = "nccl"
     device_types = ("cuda",)
 
-    def __init__(self, ctx, unique_id_key=None):
-        self.ctx, self.unique_id_key = ctx, unique_id_key
-        self.device = torch.device("cuda", 1)
+    def __init__(self, ctx):
+        self.ctx, self.device_id = ctx, torch.device("cuda", 1)
+
+    def subgroup(self, ranks, ctx):
+        made = type(self)(ctx)
+        made.ranks = list(ranks)
+        return made
 
     def close(self):
         pass
@@ -135,6 +139,7 @@ class _StandInNCCL:
 
 class _TorchNCCL(_StandInNCCL):
     name = "torch-nccl"
+    subgroup = None  # torch-nccl has no subgroup of its own
 
 
 def _group_ctx(ranks):
@@ -142,12 +147,10 @@ def _group_ctx(ranks):
     return Context(topology, timedelta(seconds=10), tdist.HashStore())
 
 
-def test_nccl_subgroup_takes_the_parents_device_and_the_groups_own_key():
+def test_nccl_subgroup_is_made_by_the_parents_subgroup_with_the_groups_context():
     parent = _StandInNCCL(None)
     made = subgroup_communicators({"cuda": parent}, [1, 5], _group_ctx([1, 5]))["cuda"]
-    assert type(made) is _StandInNCCL and made is not parent
-    assert made.ctx.device == parent.device  # the rank keeps its GPU, whatever its group rank
-    assert made.unique_id_key == "smddp/group/nccl/unique_id"
+    assert type(made) is _StandInNCCL and made is not parent and made.ranks == [1, 5]
     assert (made.ctx.topology.rank, made.ctx.topology.size) == (1, 2) and not made.ctx.topology.mpi
 
 
@@ -159,18 +162,19 @@ def test_a_group_of_one_is_local_and_torch_nccl_cannot_make_subgroups():
 
 
 def test_nccl_subgroup_members_meet_whatever_they_created_before(monkeypatch):
-    """Global ranks 1 and 5 have made different numbers of NCCL communicators: the key still agrees."""
+    """Global ranks 1 and 5 may have made different numbers of NCCL communicators: the group's store
+    (torch's prefix for the group) names the key, so it agrees."""
     fake = _fake_cupy(monkeypatch, uid=X86_ID)
     store = tdist.HashStore()
     store.set_timeout(timedelta(seconds=10))
     got = {}
 
-    def member(world_rank: int, generation: int) -> None:
+    def member(world_rank: int) -> None:
         world = dataclasses.replace(WORLD, rank=world_rank, local_rank=world_rank % 4, node_rank=world_rank // 4)
         topology = group_topology(world, [1, 5])
-        got[world_rank] = share_unique_id(fake, topology, store, generation, key="smddp/group/nccl/unique_id")
+        got[world_rank] = share_unique_id(fake, topology, tdist.PrefixStore("pg-1-5", store))
 
-    threads = [threading.Thread(target=member, args=(5, 7)), threading.Thread(target=member, args=(1, 2))]
+    threads = [threading.Thread(target=member, args=(5,)), threading.Thread(target=member, args=(1,))]
     for t in threads:
         t.start()
     for t in threads:

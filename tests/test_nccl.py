@@ -1,114 +1,35 @@
 """The ``nccl`` communicator on a host-memory stand-in for CuPy's NCCL (tests/nccl_standin.py).
 
-Ranks are threads with their own engine and a shared TCPStore, as processes would have.
-Every collective's inputs are seeded per rank; each rank's result is checked against values
-computed here from all ranks' inputs. Deadlines: a rank that never arrives makes the others
-raise CollectiveTimeout naming it, their NCCL communicators aborted, nothing hanging.
+Ranks are threads with their own engine and a shared TCPStore, as processes would have
+(tests/nccl_ranks.py). Every collective's inputs are seeded per rank; each rank's result is
+checked against values computed here from all ranks' inputs. What torch's NCCL group does is
+the contract: bool, complex and float8 tensors as it sends them, the device it picks, the
+communicator made at first use, the group's own stream, every tensor held until its stream is
+done. Deadlines and failures: tests/test_nccl_failures.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import types
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as tdist
-from nccl_standin import HostStream, install
+from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
+from nccl_standin import install
 
 from smddp import _excepthook
 from smddp._topology import Topology
 from smddp.comm.algorithms import derived
-from smddp.comm.backends.nccl import NCCL_2_10, NCCLCommunicator
+from smddp.comm.backends.nccl import NCCL_2_10
+from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.subgroups import group_topology, subgroup_communicators
-from smddp.errors import CollectiveError, CollectiveTimeout, InvalidTypeError
-
-JOIN = 60.0  # seconds a rank's thread may take at most: a hang fails the test instead
-
-
-def run_ranks(fake, size: int, body, timeout: float = 20.0, with_store: bool = False):
-    """``body(rank, engine, comm)`` on ``size`` ranks (threads); returns ``{rank: result}``.
-
-    Each rank has its own NCCLCommunicator and engine with the given ``timeout``, over one
-    TCPStore (passed as a fourth argument with ``with_store``); engines and communicators
-    are closed afterwards whatever happened.
-    """
-    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                            timeout=timedelta(seconds=30))
-    results, errors = {}, []
-    # Every rank starts its body once all are set up: a short deadline then measures the
-    # operations, not how long a starved machine takes to start threads.
-    ready = threading.Barrier(size, timeout=JOIN)
-
-    def rank(r: int) -> None:
-        engine = nccl_comm = None
-        try:
-            store = tdist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
-            topology = Topology(rank=r, size=size, local_rank=r, local_size=size,
-                                launcher="torchrun" if size > 1 else "none")
-            nccl_comm = NCCLCommunicator(Context(topology, timedelta(seconds=timeout), store))
-            # the stand-in's tensors live on the CPU: route them to the NCCL communicator
-            engine = Engine({"cpu": nccl_comm}, timeout=timeout, store=store)
-            ready.wait()
-            results[r] = body(r, engine, nccl_comm, *((store,) if with_store else ()))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            ready.abort()
-        finally:
-            if engine is not None:
-                engine.close()
-                _excepthook.forget(engine)  # a broken engine would end pytest's process at exit
-            if nccl_comm is not None:
-                nccl_comm.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(JOIN)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    assert sorted(results) == list(range(size))
-    for stream in fake.streams.values():
-        # the only failure a "kernel" may have: NCCL's call ended by an abort (its own or a peer's)
-        assert all("was aborted" in str(e) for e in stream.errors), stream.errors
-        stream.close()
-    return results
-
-
-def seeded(rank: int, shape, dtype, what: int = 0) -> torch.Tensor:
-    """Rank ``rank``'s input ``what``: the same on every call, different per rank."""
-    g = torch.Generator().manual_seed(1000 * what + rank)
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=g) * 4).to(dtype)
-    return torch.randint(-50, 50, shape, generator=g).to(dtype)
-
-
-def expected_reduce(size: int, shape, dtype, op: Op, what: int, ncclavg: bool = True) -> torch.Tensor:
-    """NCCL's result: the reduction of every rank's input, rounded once to ``dtype``.
-
-    ``ncclavg=False``: AVERAGE as before NCCL 2.10, the rounded sum divided by ``size``.
-    """
-    if op is Op.AVERAGE and not ncclavg and dtype.is_floating_point:
-        return expected_reduce(size, shape, dtype, Op.SUM, what) / size
-    stack = torch.stack([seeded(r, shape, dtype, what) for r in range(size)])
-    wide = stack.double() if dtype.is_floating_point else stack.long()
-    if op is Op.SUM:
-        out = wide.sum(0)
-    elif op is Op.PRODUCT:
-        out = wide.prod(0)
-    elif op is Op.MIN:
-        out = wide.min(0).values
-    elif op is Op.MAX:
-        out = wide.max(0).values
-    elif dtype.is_floating_point:
-        out = wide.sum(0) / size
-    else:
-        out = torch.div(wide.sum(0), size, rounding_mode="trunc")
-    return out.to(dtype)
+from smddp.errors import InvalidArgumentError, InvalidTypeError
 
 
 @pytest.fixture
@@ -157,8 +78,10 @@ def test_collectives_on_every_rank(fake, size, version):
             derived.reduce_scatter_tensor(engine, out, seeded(r, (size * 3,), torch.float32, 95 + k), op).wait()
             got[("reduce_scatter", op)] = out
         got["barrier"] = engine.barrier(async_op=True).wait()
+        lane = nccl_comm._lane
         engine.close()
-        got["destroyed"] = nccl_comm._comm is None
+        nccl_comm.close()
+        got["destroyed"] = lane.comm is None
         return got
 
     results = run_ranks(fake, size, body)
@@ -191,6 +114,7 @@ def test_collectives_on_every_rank(fake, size, version):
 
 def test_world_of_one_and_device_setup(fake):
     def body(r, engine, nccl_comm):
+        assert fake.comms == [] and fake.runtime.devices == []  # nothing made at init, as torch's group
         t = seeded(0, (5,), torch.float32)
         engine.all_reduce(t, Op.AVERAGE)
         out = torch.zeros(4)
@@ -202,24 +126,17 @@ def test_world_of_one_and_device_setup(fake):
     t, out, a2a, nccl_comm = run_ranks(fake, 1, body)[0]
     assert torch.equal(t, seeded(0, (5,), torch.float32))
     assert torch.equal(out, seeded(0, (4,), torch.float32, 1)) and torch.equal(a2a, seeded(0, (3,), torch.int64, 2))
-    assert fake.runtime.devices == [nccl_comm.device.index]  # CuPy's device set before the communicator
+    assert fake.runtime.devices == [nccl_comm._lane.index]  # CuPy's device set before the communicator
     assert nccl_comm.nccl_version == 22703 and torch.bfloat16 in nccl_comm.dtypes
 
 
 # ---------------------------------------------------------------------------- stream order
-def _gate(stream: HostStream) -> threading.Event:
-    """Hold ``stream``'s queue until the returned event is set."""
-    gate = threading.Event()
-    stream.enqueue(lambda: gate.wait(JOIN))
-    return gate
-
-
 def test_a_wait_from_another_stream_orders_that_stream_after_the_collective(monkeypatch):
     fake = install(monkeypatch, deferred=True)
 
     def body(r, engine, nccl_comm):
         mine = torch.cuda.current_stream()
-        gate = _gate(mine)  # the collective cannot run until the gate opens
+        opened = gate(mine)  # the collective cannot run until the gate opens
         t = seeded(r, (6,), torch.float32)
         handle = engine.all_reduce(t, Op.SUM, async_op=True)
         other = torch.cuda.Stream()
@@ -227,7 +144,7 @@ def test_a_wait_from_another_stream_orders_that_stream_after_the_collective(monk
         handle.wait()  # returns at once: `other` now waits for the collective
         seen = []
         other.enqueue(lambda: seen.append(t.clone()))  # a kernel on `other` after the wait
-        gate.set()
+        opened.set()
         other.synchronize()
         again = []
         fake.current.stream = third = torch.cuda.Stream()
@@ -243,23 +160,22 @@ def test_a_wait_from_another_stream_orders_that_stream_after_the_collective(monk
         assert torch.equal(results[r][0], want) and torch.equal(results[r][1], want)
 
 
-def test_side_stream_mode_orders_both_ways(monkeypatch):
-    monkeypatch.setenv("SMDDP_NCCL_STREAM", "side")
+def test_the_groups_own_stream_is_the_default_and_orders_both_ways(monkeypatch):
     fake = install(monkeypatch, deferred=True)
 
     def body(r, engine, nccl_comm):
         current = torch.cuda.current_stream()
         t = torch.zeros(4)
-        gate = _gate(current)
+        opened = gate(current)
         value = seeded(r, (4,), torch.float32)
         current.enqueue(lambda: t.copy_(value))  # a kernel the collective must see
         handle = engine.all_reduce(t, Op.SUM, async_op=True)
-        gate.set()
+        opened.set()
         handle.wait()
         seen = []
         current.enqueue(lambda: seen.append(t.clone()))  # a kernel that must see the result
         current.synchronize()
-        return nccl_comm.stream_mode, handle._pending._stream is nccl_comm._side, seen[0]
+        return nccl_comm.stream_mode, handle._pending._stream is nccl_comm._lane.side, seen[0]
 
     results = run_ranks(fake, 2, body)
     want = expected_reduce(2, (4,), torch.float32, Op.SUM, 0)
@@ -268,147 +184,237 @@ def test_side_stream_mode_orders_both_ways(monkeypatch):
         assert mode == "side" and on_side and torch.equal(seen, want)
 
 
-# ---------------------------------------------------------------------------- deadlines and errors
-@pytest.mark.parametrize("size", [2, 3])
-def test_a_rank_that_never_arrives_times_out_the_others_and_aborts_them(fake, size):
-    """The last rank skips the second all_reduce: the others block inside NCCL's call."""
-    missing = size - 1
-    others_done = threading.Barrier(size, timeout=JOIN)
+# ---------------------------------------------------------------------------- dtypes torch's NCCL group sends
+def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
+    """bool as uint8 (SUM an or), complex as its real view, float8 as bytes; refusals raise before
+    anything is sent and leave the ranks in step; int16 is refused, as by torch's NCCL group."""
+    both = threading.Barrier(2, timeout=JOIN)  # the stand-in's record of calls is shared by the ranks
 
     def body(r, engine, nccl_comm):
-        t = seeded(r, (3,), torch.float32)
-        engine.all_reduce(t, Op.SUM)
-        out = {"first": t}
-        if r == missing:
-            others_done.wait()  # answers the others' questions meanwhile (the stall channel)
-            return out
-        with pytest.raises(CollectiveTimeout) as err:
-            engine.all_reduce(seeded(r, (3,), torch.float32, 1), Op.SUM)
-        out["error"] = str(err.value)
-        with pytest.raises(CollectiveTimeout):  # and so does every later call
-            engine.broadcast(torch.zeros(2), 0)
-        out["aborted"] = nccl_comm._comm is None
-        others_done.wait()
-        return out
+        got = {}
+        for i, op in enumerate((Op.SUM, Op.MIN, Op.MAX, Op.PRODUCT)):
+            t = seeded(r, (9,), torch.bool, 10 + i)
+            engine.all_reduce(t, op)
+            got[("bool", op)] = t
+        buffer = seeded(r, (7,), torch.bool, 20)  # what DDP broadcasts at construction: every buffer
+        engine.broadcast(buffer, 0)
+        got["bool broadcast"] = buffer
+        for j, dtype in enumerate((torch.complex64, torch.complex128)):
+            for k, op in enumerate((Op.SUM, Op.AVERAGE)):
+                t = seeded(r, (2, 3), dtype, 30 + 2 * j + k)
+                engine.all_reduce(t, op)
+                got[(dtype, op)] = t
+        slots = [torch.zeros(4, dtype=torch.complex64) for _ in range(2)]
+        engine.all_gather(slots, seeded(r, (4,), torch.complex64, 40))
+        got["complex all_gather"] = slots
+        src = seeded(r, (4,), torch.complex128, 41)
+        dst = torch.zeros(4, dtype=torch.complex128)
+        engine.all_to_all_single(dst, src)
+        got["complex all_to_all"] = dst
+        f8 = seeded(r, (6,), torch.float32, 42).to(torch.float8_e4m3fn)
+        flat = torch.zeros(12, dtype=torch.float8_e4m3fn)
+        engine.all_gather_into_tensor(flat, f8)
+        got["float8 all_gather"] = flat
+        both.wait()
+        codes = len(fake.op_codes)
+        with pytest.raises(InvalidTypeError, match="AVERAGE of bool"):
+            engine.all_reduce(torch.ones(3, dtype=torch.bool), Op.AVERAGE)
+        with pytest.raises(InvalidArgumentError, match="MAX on complex"):
+            engine.all_reduce(torch.ones(3, dtype=torch.complex64), Op.MAX)
+        with pytest.raises(InvalidTypeError, match="moved, not reduced"):
+            engine.all_reduce(torch.ones(3, dtype=torch.float8_e5m2), Op.SUM)
+        with pytest.raises(InvalidTypeError, match="int16 is not supported by the nccl backend"):
+            engine.all_reduce(torch.ones(3, dtype=torch.int16), Op.SUM)
+        got["sent after refusals"] = len(fake.op_codes) - codes
+        both.wait()
+        after = seeded(r, (3,), torch.float32, 43)
+        engine.all_reduce(after, Op.SUM)  # the ranks are still in step
+        got["after"] = after
+        return got
 
-    results = run_ranks(fake, size, body, timeout=2.0)
-    want = expected_reduce(size, (3,), torch.float32, Op.SUM, 0)
-    for r in range(size):
-        assert torch.equal(results[r]["first"], want)
-    for r in range(missing):
-        assert f"Ranks that never arrived: {missing}." in results[r]["error"]
-        assert "all_reduce (sequence number 2)" in results[r]["error"]
-        assert results[r]["aborted"]
-    assert all(c.aborted and not c.destroyed for c in fake.comms[:missing])
-
-
-def test_a_stalled_gpu_is_noticed_without_the_host_waiting(monkeypatch):
-    """The collective is enqueued and the host goes on; the watchdog sees its event never complete."""
-    fake = install(monkeypatch, deferred=True)
-    others_done = threading.Barrier(2, timeout=JOIN)
-
-    def body(r, engine, nccl_comm):
-        if r == 1:
-            others_done.wait()
-            return None
-        handle = engine.all_reduce(torch.ones(3), Op.SUM, async_op=True)
-        handle.wait()  # stream-ordered: returns although rank 1 never calls
-        with pytest.raises(CollectiveTimeout, match="Ranks that never arrived: 1.") as err:
-            handle._pending.synchronize()  # blocks the host, until the deadline at most
-        with pytest.raises(CollectiveTimeout):
-            handle.wait()  # the next wait raises it too
-        assert not nccl_comm._watch.drain()  # returns once the watchdog has acted
-        others_done.wait()
-        return str(err.value), nccl_comm._comm is None
-
-    message, aborted = run_ranks(fake, 2, body, timeout=2.0)[0]
-    assert "did not complete within 2 s" in message and aborted
-    assert fake.comms[0].aborted
-    assert [str(e) for e in fake.streams[min(fake.streams)].errors] == ["NCCL communicator of rank 0 was aborted"]
-
-
-def test_an_async_nccl_error_fails_the_next_call_and_aborts(fake):
-    def body(r, engine, nccl_comm):
-        raw = nccl_comm._comm
-        raw.error = "remote process exited"
-        with pytest.raises(CollectiveError, match="remote process exited"):
-            engine.all_reduce(torch.ones(2), Op.SUM)
-        return raw
-
-    raw = run_ranks(fake, 1, body)[0]
-    assert raw.aborted and not raw.destroyed
-
-
-def test_a_normal_operation_does_not_expire(fake):
-    """Operations that complete leave the watchdog with nothing to expire, past their deadline too."""
-    def body(r, engine, nccl_comm):
-        t = seeded(r, (4,), torch.float64)
-        engine.all_reduce(t, Op.MAX)
-        assert nccl_comm._watch.drain()  # every watched operation completed
-        later = threading.Event()
-        later.wait(2.5)  # past the 2 s deadline of the all_reduce
-        engine.barrier()
-        return t, nccl_comm._watch.expired
-
-    results = run_ranks(fake, 2, body, timeout=2.0)
+    results = run_ranks(fake, 2, body)
     for r in range(2):
-        assert torch.equal(results[r][0], expected_reduce(2, (4,), torch.float64, Op.MAX, 0))
-        assert results[r][1] is False
-    assert all(c.destroyed and not c.aborted for c in fake.comms)
+        got = results[r]
+        for i, op in enumerate((Op.SUM, Op.MIN, Op.MAX, Op.PRODUCT)):
+            assert torch.equal(got[("bool", op)], expected_reduce(2, (9,), torch.bool, op, 10 + i)), op
+        assert torch.equal(got["bool broadcast"], seeded(0, (7,), torch.bool, 20))
+        for j, dtype in enumerate((torch.complex64, torch.complex128)):
+            for k, op in enumerate((Op.SUM, Op.AVERAGE)):
+                assert torch.equal(got[(dtype, op)], expected_reduce(2, (2, 3), dtype, op, 30 + 2 * j + k))
+        for peer in range(2):
+            assert torch.equal(got["complex all_gather"][peer], seeded(peer, (4,), torch.complex64, 40))
+        want = torch.cat([seeded(peer, (4,), torch.complex128, 41)[2 * r:2 * r + 2] for peer in range(2)])
+        assert torch.equal(got["complex all_to_all"], want)
+        f8 = torch.cat([seeded(peer, (6,), torch.float32, 42).to(torch.float8_e4m3fn) for peer in range(2)])
+        assert torch.equal(got["float8 all_gather"].view(torch.uint8), f8.view(torch.uint8))
+        assert got["sent after refusals"] == 0
+        assert torch.equal(got["after"], expected_reduce(2, (3,), torch.float32, Op.SUM, 43))
+    assert fake.op_codes[:2] == [2, 2] and fake.op_codes[2:4] == [3, 3]  # bool SUM went as MAX, MIN as MIN
 
 
+# ---------------------------------------------------------------------------- memory NCCL still uses
+def _storages(held) -> set:
+    """The storages of the tensors in ``held``: tensors, sequences of them, and what closures keep."""
+    found, todo = set(), [held]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            found.add(item.untyped_storage().data_ptr())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif callable(item) and getattr(item, "__closure__", None):
+            todo.extend(cell.cell_contents for cell in item.__closure__)
+    return found
 
-def test_a_barrier_blocks_the_host_until_its_deadline(monkeypatch):
-    """barrier() waits on the host (as torch's NCCL barrier does): a missing rank times it out there."""
+
+def test_every_tensor_the_stream_touches_is_held_until_it_is_done(monkeypatch):
+    """An all_gather's output list and a strided tensor are written by steps queued after the
+    collective on its stream: the watchdog holds them (as torch's NCCL group stashes tensors)
+    until the stream has run those steps, then lets go."""
     fake = install(monkeypatch, deferred=True)
-    others_done = threading.Barrier(2, timeout=JOIN)
 
     def body(r, engine, nccl_comm):
+        opened = gate(torch.cuda.current_stream())  # the group's stream waits for this one
+        slots = [torch.zeros(3) for _ in range(2)]
+        strided = seeded(r, (4, 2), torch.float32, 1).t()
+        mine = {t.untyped_storage().data_ptr() for t in (*slots, strided)}
+        engine.all_gather(slots, seeded(r, (3,), torch.float32, 0), async_op=True).wait()
+        engine.all_reduce(strided, Op.SUM, async_op=True).wait()
+        records = list(nccl_comm._watch._inflight)
+        held = set().union(*(_storages(w.held) for w in records))
+        opened.set()
+        drained = nccl_comm._watch.drain()
+        return mine - held, drained, [w.held for w in records]
+
+    for missing, drained, after in run_ranks(fake, 2, body).values():
+        assert not missing, "a tensor the stream writes was not held"
+        assert drained and all(held == () for held in after)
+
+
+# ---------------------------------------------------------------------------- device and first use
+def test_the_communicator_is_made_at_first_use_on_the_chosen_device_by_threads_that_set_it(fake):
+    """device_id wins (cuda:3 and cuda:4 here); nothing exists before the first collective; the
+    creating thread, the watchdog and the engine's progress thread set that device before any
+    CUDA call, and the caller's current device is left as the caller had it."""
+
+    def body(r, engine, nccl_comm):
+        made_before = list(fake.comms)
+        t = seeded(r, (5,), torch.float32)
+        handle = engine.all_reduce(t, Op.SUM, async_op=True)
+        engine.barrier(async_op=True).wait()  # host-polled: the progress thread may test it too
+        handle.wait()
+        assert nccl_comm._watch.drain()
+        return made_before, nccl_comm._lane.index, getattr(fake.thread, "device", None), t
+
+    results = run_ranks(fake, 2, body, device=lambda r: torch.device("cuda", 3 + r))
+    for r in range(2):
+        made_before, index, caller_device, t = results[r]
+        assert made_before == [] and index == 3 + r and caller_device is None
+        assert torch.equal(t, expected_reduce(2, (5,), torch.float32, Op.SUM, 0))
+    threads = {name for name, _ in fake.set_devices}
+    assert any(name.startswith("smddp-nccl-init") for name in threads), fake.set_devices
+    assert any(name.startswith("smddp-nccl-watchdog") for name in threads), fake.set_devices
+    assert not any(name.startswith("rank-") for name in threads), fake.set_devices
+    assert sorted(c.device for c in fake.comms) == [3, 4]  # each made with its rank's device current
+    smddp_queries = [(name, device) for name, device in fake.queries if name.startswith("smddp-")]
+    assert smddp_queries and all(device in (3, 4) for _, device in smddp_queries), smddp_queries
+
+
+def test_without_device_id_the_current_device_as_set_else_the_local_rank(fake):
+    def body(r, engine, nccl_comm):
         if r == 1:
-            others_done.wait()
-            return None
-        with pytest.raises(CollectiveTimeout, match="Ranks that never arrived: 1.") as err:
-            engine.barrier()
-        assert not nccl_comm._watch.drain()  # the watchdog expired it too, and aborted NCCL
-        others_done.wait()
-        return str(err.value), nccl_comm._comm is None
+            torch.cuda.set_device(6)  # this rank chose its device; rank 0 did not
+        engine.barrier()
+        return nccl_comm._lane.index
 
-    message, aborted = run_ranks(fake, 2, body, timeout=2.0)[0]
-    assert "barrier (sequence number 1)" in message and aborted
+    assert run_ranks(fake, 2, body) == {0: 0, 1: 6}
 
 
-def test_a_subgroup_times_out_naming_global_ranks(fake):
-    """Global ranks 0 and 2 form a group; rank 2 skips its second all_reduce."""
-    group = [0, 2]
-    done = threading.Barrier(3, timeout=JOIN)
+def test_a_tensor_on_another_device_is_refused_before_anything_is_sent(fake):
+    def body(r, engine, nccl_comm):
+        with pytest.raises(InvalidArgumentError, match="group runs on cpu .* but a tensor is on meta"):
+            nccl_comm.all_reduce(torch.ones(2, device="meta"), Op.SUM, 1)
+        return len(fake.comms)
 
-    def body(r, engine, nccl_comm, store):
-        if r not in group:
-            done.wait()
+    assert run_ranks(fake, 2, body) == {0: 0, 1: 0}
+
+
+# ---------------------------------------------------------------------------- store keys
+def test_a_world_made_again_after_a_subgroup_meets_under_the_same_key(fake):
+    """Ranks 0 and 1 make a subgroup and use it; every rank destroys; the next world's first
+    collective must find one unique id, not one per rank's count of communicators."""
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+    def first(r, engine, nccl_comm, store):
+        engine.barrier()
+        if r == 2:
             return None
         world = Topology(rank=r, size=3, local_rank=r, local_size=3, launcher="torchrun")
-        ctx = Context(group_topology(world, group), timedelta(seconds=2), tdist.PrefixStore("pair", store))
-        comms = subgroup_communicators({"cpu": nccl_comm}, group, ctx)
-        sub = Engine(comms, timeout=2.0, store=ctx.store)
-        sub.describe_group("pair", group)
+        ctx = Context(group_topology(world, [0, 1]), timedelta(seconds=10), tdist.PrefixStore("pair", store))
+        comms = subgroup_communicators({"cpu": nccl_comm}, [0, 1], ctx)
+        sub = Engine(comms, timeout=10.0, store=ctx.store)
         try:
-            t = seeded(r, (5,), torch.float32)
+            t = seeded(r, (4,), torch.float32)
             sub.all_reduce(t, Op.SUM)
-            if r == 2:
-                done.wait()
-                return t, None
-            with pytest.raises(CollectiveTimeout) as err:
-                sub.all_reduce(torch.ones(5), Op.SUM)
-            done.wait()
-            return t, str(err.value)
+            return t
         finally:
             sub.close()
             _excepthook.forget(sub)
             comms["cpu"].close()
 
-    results = run_ranks(fake, 3, body, timeout=20.0, with_store=True)
-    want = torch.stack([seeded(r, (5,), torch.float32) for r in group]).double().sum(0).float()
-    assert torch.equal(results[0][0], want) and torch.equal(results[2][0], want)
-    message = results[0][1]
-    assert "Ranks that never arrived: 2." in message, message
-    assert "process group 'pair', global ranks 0, 2" in message, message
+    def second(r, engine, nccl_comm):
+        t = seeded(r, (4,), torch.float32, 1)
+        engine.all_reduce(t, Op.SUM)
+        return t
+
+    pair = run_ranks(fake, 3, first, timeout=10.0, with_store=True, master=master, prefix="world-1")
+    assert torch.equal(pair[0], expected_reduce(2, (4,), torch.float32, Op.SUM, 0))
+    again = run_ranks(fake, 3, second, timeout=10.0, master=master, prefix="world-2")
+    for r in range(3):
+        assert torch.equal(again[r], expected_reduce(3, (4,), torch.float32, Op.SUM, 1))
+
+
+def test_device_id_is_read_where_torch_creates_the_group():
+    """torch passes init_process_group's (and new_group's) device_id to _new_process_group_helper,
+    not to a backend's creator: smddp's creator reads it from that frame."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from smddp.torch import _compat
+
+    assert "device_id" in inspect.signature(c10d._new_process_group_helper).parameters
+
+    def _new_process_group_helper(device_id, creator):  # torch's name, in torch's module
+        return creator()
+
+    helper = types.FunctionType(_new_process_group_helper.__code__, vars(c10d), "_new_process_group_helper")
+    assert helper(torch.device("cuda", 3), _compat.requested_device_id) == torch.device("cuda", 3)
+    assert helper(None, _compat.requested_device_id) is None
+    assert _compat.requested_device_id() is None  # not inside torch's group creation
+
+
+def test_torch_nccl_connects_at_first_use_unless_given_a_device_id(monkeypatch):
+    """As torch: a ProcessGroupNCCL makes its communicator at first use; eagerly only for device_id."""
+    connected = []
+
+    class ProcessGroupNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options):
+            pass
+
+        def eager_connect_single_device(self, device):
+            connected.append(device)
+
+    monkeypatch.setattr(torch._C._distributed_c10d, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(tdist, "is_nccl_available", lambda: True)
+    ctx = Context(Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none"), timedelta(seconds=5))
+    TorchNCCLCommunicator(ctx)
+    assert connected == []
+    TorchNCCLCommunicator(dataclasses.replace(ctx, device=torch.device("cuda", 2)))
+    assert connected == [torch.device("cuda", 2)]

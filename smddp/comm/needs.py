@@ -6,8 +6,8 @@ Every error about a missing library and smddp-info's table name them; the regist
 
 MPI_INSTALL = "pip install 'smddp[mpi]' (mpi4py and Open MPI)"
 CUDA_INSTALL = (
-    "pip install 'smddp[cuda]' (CuPy for CUDA 12: cupy-cuda12x; "
-    "for CUDA 13 install cupy-cuda13x instead)"
+    "pip install 'smddp[cuda12]' for a CUDA 12 build of torch (cupy-cuda12x and nvidia-nccl-cu12), or "
+    "'smddp[cuda13]' for CUDA 13 (cupy-cuda13x and nvidia-nccl-cu13); torch.version.cuda says which"
 )
 TORCH_CUDA_INSTALL = "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
 XPU_INSTALL = (

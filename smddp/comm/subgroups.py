@@ -9,8 +9,9 @@ How each backend makes a subgroup:
 
 - a communicator with a ``subgroup(ranks, ctx)`` method makes its own (``mpi``:
   ``MPI_Comm_create_group`` over the member ranks of ``MPI_COMM_WORLD``);
-- ``nccl``: a new NCCL communicator whose unique id member rank 0 puts in the group's store
-  (torch gives every group a store prefix of its own, so the key cannot collide);
+- ``nccl``: its ``subgroup`` makes a new NCCL communicator (at the group's first collective),
+  whose unique id member rank 0 puts in the group's own store (torch gives every group a
+  store prefix of its own, so the key cannot collide);
 - any other CPU communicator (``gloo``): torch's gloo over the group's store;
 - a group of one: the ``local`` communicator (nothing to exchange).
 
@@ -109,8 +110,6 @@ def _flat(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicato
     make = getattr(comm, "subgroup", None)
     if make is not None:
         return make(ranks, ctx)
-    if comm.name == "nccl":
-        return type(comm)(dataclasses.replace(ctx, device=comm.device), unique_id_key="smddp/group/nccl/unique_id")
     if comm.device_types == ("cpu",):
         if ctx.store is None:
             raise BackendUnavailableError(

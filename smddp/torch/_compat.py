@@ -1,6 +1,9 @@
 """The private torch APIs smddp relies on, each wrapped in one place.
 
-When torch changes one of these, this file is the only one to mend.
+When torch changes one of these, this file is the only one to mend. Each says which torch
+versions have it, checked against the wheels of torch 2.4.0, 2.9.0, 2.10.0, 2.11.0 and 2.13.0
+(``setup.cfg`` admits torch >= 2.4; the test suite runs on 2.13, and ``tests/test_nccl.py`` and
+the torch-API tests were also run on 2.11.0, the GPU machine's), and what a version without it gets.
 """
 
 from __future__ import annotations
@@ -11,14 +14,36 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-#: torch's Work base class that a Python subclass may extend (``wait``, ``get_future``).
+#: torch's Work base class that a Python subclass may extend (``wait``, ``get_future``):
+#: ``torch.distributed._Work`` in every version from 2.4 to 2.13; ``Work`` where it is gone.
 WorkBase = tdist._Work if hasattr(tdist, "_Work") else tdist.Work
 
-#: torch's C++ Work whose ``wait(timeout)`` calls a Python function (torch 2.13 has it), or
-#: None. Unlike a Python subclass of :data:`WorkBase`, it keeps working once Python has dropped it.
+#: torch's C++ Work whose ``wait(timeout)`` calls a Python function, or None. torch 2.10, 2.11
+#: and 2.13 have it (``torch._C._distributed_c10d.PythonCallbackWork``); 2.4 to 2.9 do not, and
+#: there asynchronous Works are Python subclasses of :data:`WorkBase` (smddp/torch/_work.py), and
+#: ``join(divide_by_initial_world_size=False)`` is refused before anything is sent. Unlike a Python
+#: subclass, it keeps working once Python has dropped it.
 CallbackWork = getattr(torch._C._distributed_c10d, "PythonCallbackWork", None)
 
 _C10D_GLOBALS = vars(sys.modules["torch.distributed.distributed_c10d"])
+
+
+def requested_device_id() -> torch.device | None:
+    """The ``device_id`` torch's ``init_process_group`` or ``new_group`` was given, while torch
+    creates the group (called from the backend's creator); None outside that or without one.
+
+    torch hands ``device_id`` to ``_new_process_group_helper`` (a parameter in 2.4 through 2.13)
+    but not to a third-party backend's creator, and sets ``bound_device_id`` only on the group
+    object it then replaces with the backend's own. So it is read from that frame; a torch whose
+    helper lacks it gives None, and the device is chosen as without ``device_id``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper" and frame.f_globals is _C10D_GLOBALS:
+            device = frame.f_locals.get("device_id")
+            return device if isinstance(device, torch.device) else None
+        frame = frame.f_back
+    return None
 
 
 def called_by_torch_api(depth: int) -> bool:
@@ -36,19 +61,23 @@ def called_by_torch_api(depth: int) -> bool:
 
 
 def register_backend(name: str, creator: Callable, devices) -> None:
-    """Register ``creator(options, backend_options)`` as torch backend ``name`` (once)."""
+    """Register ``creator(options, backend_options)`` as torch backend ``name`` (once).
+
+    ``extended_api`` and ``devices``: keyword arguments of ``Backend.register_backend`` in 2.4 to 2.13.
+    """
     if getattr(tdist.Backend, name.upper(), None) is not None:
         return
     tdist.Backend.register_backend(name, creator, extended_api=True, devices=list(devices))
 
 
-#: torch 2.7 and later call every group's ``shutdown()`` from ``destroy_process_group()``;
-#: torch 2.4 to 2.6 call it only on NCCL's (their ``_shutdown_backend``).
+#: torch 2.7 and later call every group's ``shutdown()`` from ``destroy_process_group()``
+#: (2.9, 2.10, 2.11 and 2.13 checked); torch 2.4 to 2.6 call it only on NCCL's (their
+#: ``_shutdown_backend``), and there the next ``init_process_group()`` closes the old world.
 DESTROY_CALLS_SHUTDOWN = torch.__version__ >= (2, 7)
 
 
 def rendezvous_handlers() -> dict:
-    """torch's table of ``init_method`` schemes to rendezvous functions."""
+    """torch's table of ``init_method`` schemes to rendezvous functions (``_rendezvous_handlers``, 2.4 to 2.13)."""
     return sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
 
 
@@ -59,6 +88,7 @@ def default_timeout():
     return constants.default_pg_timeout
 
 
+#: ``torch._C._current_graph_task_id`` (2.4 to 2.13); without it nothing counts as inside backward.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -69,12 +99,13 @@ def in_backward() -> bool:
 
 # ---------------------------------------------------------------------------- native backends
 def backend_type(name: str):
-    """torch's ``ProcessGroup.BackendType`` member called ``name`` (``"GLOO"``, ``"NCCL"``, ...)."""
+    """torch's ``ProcessGroup.BackendType`` member called ``name`` (``"GLOO"``, ``"NCCL"``; ``"XCCL"`` from 2.8)."""
     return getattr(tdist.ProcessGroup.BackendType, name)
 
 
 def register_device_backend(pg, device_type: str, backend_type_name: str, backend) -> None:
-    """Make ``backend`` serve ``device_type`` tensors of ``pg`` in torch's C++ dispatch."""
+    """Make ``backend`` serve ``device_type`` tensors of ``pg`` in torch's C++ dispatch
+    (``ProcessGroup._register_backend``, 2.4 to 2.13)."""
     pg._register_backend(torch.device(device_type), backend_type(backend_type_name), backend)
 
 
@@ -99,7 +130,11 @@ def gloo_backend(store, rank: int, size: int, timeout, group_name: str, lazy: bo
 
 
 def nccl_backend(store, rank: int, size: int, timeout, group_name: str):
-    """A ``ProcessGroupNCCL`` (its communicator is created on first use)."""
+    """A ``ProcessGroupNCCL`` (its communicator is created on first use).
+
+    ``Options``' ``is_high_priority_stream``, ``_timeout``, ``group_name`` and
+    ``global_ranks_in_group``: 2.4 to 2.13.
+    """
     options = tdist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = timeout
@@ -125,5 +160,6 @@ def backward_task() -> int:
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback()`` when the running backward pass ends, before ``backward()`` returns."""
+    """Run ``callback()`` when the running backward pass ends, before ``backward()`` returns
+    (``Variable._execution_engine.queue_callback``, 2.4 to 2.13)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

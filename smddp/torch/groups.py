@@ -119,9 +119,10 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
     # caller's) still holds the last world's keys under torch's own prefixes, which repeat.
     # Every rank initializes the same number of times, so the prefixes agree.
     store = tdist.PrefixStore(f"smddp-world-{_worlds}/", options.store)
+    device = _compat.requested_device_id()  # init_process_group's or new_group's device_id
     if tdist.is_initialized():
         topology, ranks = _subgroup_topology(options)
-        ctx = Context(topology, timeout, store)
+        ctx = Context(topology, timeout, store, device)
         communicators = subgroups.subgroup_communicators(_world.engine.comms, ranks, ctx)
     else:
         # A world group torch destroyed without calling its shutdown() (older torch calls it
@@ -132,7 +133,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         topology, ranks = _world_topology_for(options.group_rank, options.group_size), None
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
-        communicators = comm.create_communicators(backend, Context(topology, timeout, store))
+        communicators = comm.create_communicators(backend, Context(topology, timeout, store, device))
     engine = Engine(communicators, timeout.total_seconds(), store, _labels.ADVICE)
     if ranks is not None:
         engine.describe_group(name, ranks)

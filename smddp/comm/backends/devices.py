@@ -19,7 +19,7 @@ from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
 #: The install hints live with the registry (smddp.comm); re-exported for the device backends.
 __all__ = ["CUDA_INSTALL", "TORCH_CUDA_INSTALL", "XPU_INSTALL", "check_device", "device_count",
-           "pick_device", "with_cpu_companion"]
+           "current_as_set", "pick_device", "with_cpu_companion"]
 
 def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator],
                        ctx: Context) -> Dict[str, Communicator]:
@@ -61,14 +61,20 @@ def device_count(device_type: str) -> int:
 
 
 def pick_device(ctx: Context, device_type: str, count: Optional[int] = None) -> torch.device:
-    """This rank's device: ``ctx.device`` if given, else ``<type>:<local_rank mod count>``.
+    """This rank's device, as torch's NCCL group picks it.
 
-    One process per device is the rule (SageMaker runs one per GPU); the modulo keeps a
-    job working where the launcher shows each process only its own device
-    (``CUDA_VISIBLE_DEVICES`` per rank: every process sees one device, index 0).
+    1. ``ctx.device``: ``init_process_group(device_id=...)`` (or ``new_group(device_id=...)``);
+    2. the current device, where the process has set one: torch has initialised the device
+       runtime and the current device is not the untouched default 0
+       (``torch.cuda.set_device(i)``, ``with torch.cuda.device(i)``);
+    3. ``<type>:<local_rank mod count>``: one process per device (SageMaker runs one per GPU); the
+       modulo keeps a job working where the launcher shows each process only its own device
+       (``CUDA_VISIBLE_DEVICES`` per rank: every process sees one device, index 0).
+
+    Reading it creates no device context.
 
     Args:
-        ctx: the job's context.
+        ctx: the group's context.
         device_type: ``"cuda"`` or ``"xpu"``.
         count: the number of visible devices (default: ask torch).
 
@@ -84,12 +90,29 @@ def pick_device(ctx: Context, device_type: str, count: Optional[int] = None) -> 
         device = torch.device(ctx.device)
         if device.type != device_type:
             raise InvalidArgumentError(f"device {device} given to a backend of {device_type} devices")
-        if device.index is None:
-            return torch.device(device_type, ctx.topology.local_rank % count)
-        if not 0 <= device.index < count:
-            raise InvalidArgumentError(f"device {device} does not exist here: {count} {device_type} device(s) visible")
-        return device
+        if device.index is not None:
+            if not 0 <= device.index < count:
+                raise InvalidArgumentError(
+                    f"device {device} does not exist here: {count} {device_type} device(s) visible")
+            return device
+    chosen = current_as_set(device_type)
+    if chosen is not None and chosen < count:
+        return torch.device(device_type, chosen)
     return torch.device(device_type, ctx.topology.local_rank % count)
+
+
+def current_as_set(device_type: str) -> Optional[int]:
+    """The current device of ``device_type`` if this process chose one, else None.
+
+    torch cannot tell a device set to 0 from the default: 0 counts as not chosen (the local
+    rank then decides, which is 0 for the first rank of each host).
+    """
+    module = getattr(torch, device_type, None)
+    initialized = getattr(module, "is_initialized", None)
+    if initialized is None or not initialized():
+        return None
+    index = int(module.current_device())
+    return index if index != 0 else None
 
 
 def check_device(tensor: torch.Tensor, device: torch.device, backend: str) -> None:
@@ -99,8 +122,11 @@ def check_device(tensor: torch.Tensor, device: torch.device, backend: str) -> No
         InvalidArgumentError: it lives on another device of the same type.
     """
     if tensor.device != device:
+        kind = device.type
         raise InvalidArgumentError(
-            f"this rank's {backend!r} communicator is on {device}, but a tensor is on {tensor.device}; "
-            f"move it to {device} (call torch.{device.type}.set_device({device.index}) once at start-up "
-            f"and create tensors on '{device.type}')"
+            f"this rank's {backend!r} group runs on {device} (from init_process_group(device_id=...), else the "
+            f"device set with torch.{kind}.set_device(), else the local rank), but a tensor is on "
+            f"{tensor.device}: move the tensor to {device} (after torch.{kind}.set_device({device.index}), "
+            f"'{kind}' means {device}), or choose the group's device before its first collective "
+            f"(torch.{kind}.set_device(i), or init_process_group(device_id=...))"
         )

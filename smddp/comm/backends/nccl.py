@@ -1,60 +1,65 @@
 """The ``nccl`` backend: NCCL through CuPy's bindings (``cupy.cuda.nccl``), on CUDA tensors.
 
-The default on CUDA machines. How it runs:
+The default on CUDA machines. It does what torch's ProcessGroupNCCL does:
 
-- Start-up: the CUDA device is set from the local rank (or ``ctx.device``) *before* the
-  NCCL communicator is created, because NCCL binds a communicator to the current device.
-  Rank 0 creates NCCL's unique id and sends it with an MPI broadcast when an MPI launcher
-  started the job (and mpi4py is there), else through the job's torch store.
-- Calls: each collective passes ``tensor.data_ptr()`` and the CUDA stream it runs on to
-  NCCL, which enqueues the work and returns at once. By default that stream is torch's
-  current stream, so a kernel the user queued before the collective is seen by it and
-  a kernel queued after sees its result, without any host synchronisation.
-  ``SMDDP_NCCL_STREAM=side`` runs collectives on one side stream instead (ordered after
-  the current stream with an event), which lets torch's DDP overlap gradient reduction
-  with backward, as torch's own NCCL group does.
-- Completion: a collective's :class:`Pending` is stream-aware, with the contract of
-  torch's NCCL ``Work.wait()``: once ``test()`` returns True, every kernel the caller
-  queues afterwards on its current stream runs after the collective. ``test()`` returns
-  True at once; if the caller's current stream is not the one the collective ran on, it
-  first makes that stream wait on the collective's CUDA event, and so does every later
-  wait on the handle (the caller may wait from another stream). The host does not block
-  (``query()`` and ``synchronize()`` on the Pending are there for code that must).
-  ``barrier()`` does block the host until every rank arrived, as torch's NCCL barrier does.
-- Deadlines: every operation is watched, from before its NCCL call until the CUDA event
-  recorded after it completes, by the communicator's watchdog thread
-  (:mod:`smddp.comm.backends.nccl_watch`), against the job's timeout (``SMDDP_TIMEOUT``,
-  ``init_process_group(timeout=...)``). When one passes, the engine's stall report names
-  the ranks that never arrived, the communicator is aborted (``ncclCommAbort``: stalled
-  kernels and calls end) and the next call or wait raises
-  :class:`~smddp.errors.CollectiveTimeout`. An asynchronous NCCL error (a peer died) takes
-  the same path and raises :class:`~smddp.errors.CollectiveError`.
-- Teardown: a last barrier under the same deadline, then ``destroy()``; a communicator
-  that failed, or whose barrier does not complete, is aborted, so no rank hangs in teardown.
+- Device: ``init_process_group(device_id=...)``, else the current device the process set,
+  else the local rank (:func:`~smddp.comm.backends.devices.pick_device`); a tensor on another
+  device is refused before anything is sent.
+- Communicator: none at ``init_process_group``. The group's first collective makes it
+  (:mod:`smddp.comm.backends.nccl_lane`): the unique id goes through the group's own store,
+  ``ncclCommInitRank`` runs on a thread that sets the device, and both are held to the
+  group's timeout.
+- Streams: by default (``SMDDP_NCCL_STREAM=side``) each group has a stream of its own, which
+  waits for the caller's current stream by an event before each collective, so DDP's
+  bucket all-reduces overlap backward. ``current`` enqueues on the caller's current stream.
+- Memory: every tensor a collective's stream reads or writes (its buffers, the steps queued
+  after it such as copies back into a non-contiguous tensor or a list) is held until the
+  CUDA event recorded after it completes (:mod:`smddp.comm.backends.nccl_watch`), so the
+  caching allocator never reuses memory NCCL still uses.
+- Completion: a collective's :class:`Pending` is stream-ordered, with the contract of torch's
+  NCCL ``Work.wait()``: ``test()`` is True at once and every wait makes the waiting thread's
+  current stream wait on the collective's event; the host does not block (``query()`` and
+  ``synchronize()`` are there for code that must). ``barrier()`` blocks the host until every
+  rank arrived, as torch's NCCL barrier does.
+- dtypes: those NCCL has, plus bool, complex and float8 as torch's NCCL group sends them
+  (:func:`~smddp.comm.backends.nccl_cupy.on_the_wire`); int16 is refused, as there.
+- Deadlines: a watchdog thread holds every operation, from before its NCCL call, to the group's
+  timeout. A deadline that passes or an NCCL error is handled as ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+  would (:mod:`smddp.comm.backends.nccl_errors`; by default the process ends).
+- Teardown: a last barrier under the same deadline, then ``destroy()``; a communicator that
+  failed, or whose barrier does not complete, is aborted (never longer than the abort's grace).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from smddp import knobs
+from smddp.comm.backends import nccl_errors
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.nccl_cupy import NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops
-from smddp.comm.backends.nccl_uid import next_generation, share_unique_id
+from smddp.comm.backends.nccl_cupy import CONVERTED, NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops, on_the_wire
+from smddp.comm.backends.nccl_lane import CreationTimeout, Lane, open_lane
+from smddp.comm.backends.nccl_pending import HostPolled, StreamOrdered
+from smddp.comm.backends.nccl_uid import UniqueIdTimeout, share_unique_id, unique_id_key
 from smddp.comm.backends.nccl_watch import Watchdog, Watched
 from smddp.comm.base import Communicator, Context, Op, Pending, average
-from smddp.comm.engine.handle import poll
 from smddp.errors import BackendUnavailableError, CollectiveError, CollectiveTimeout, InvalidArgumentError
 
-__all__ = ["NCCL_2_10", "NCCLCommunicator", "all_to_all_plan", "load_nccl", "nccl_dtypes", "nccl_ops",
-           "share_unique_id", "stream_mode"]
+__all__ = ["NCCL_2_10", "NCCLCommunicator", "all_to_all_plan", "cuda_index", "load_nccl", "nccl_dtypes",
+           "nccl_ops", "share_unique_id", "stream_mode"]
 
-#: Environment variable choosing the stream collectives run on: ``current`` or ``side``.
+#: Environment variable choosing the stream collectives run on: ``side`` or ``current``.
 STREAM_ENV = "SMDDP_NCCL_STREAM"
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA index of the group's device (the seam the host-memory stand-in replaces)."""
+    return device.index
 
 
 # ---------------------------------------------------------------------------- all_to_all plan
@@ -106,83 +111,15 @@ def all_to_all_plan(
 
 
 def stream_mode(env=None) -> str:
-    """``"current"`` (default) or ``"side"``, from ``SMDDP_NCCL_STREAM``.
+    """``"side"`` (default: the group's own stream, as torch's) or ``"current"``, from ``SMDDP_NCCL_STREAM``.
 
     Raises:
         InvalidArgumentError: another value.
     """
     value = knobs.value(STREAM_ENV, env).lower()
     if value not in ("current", "side"):
-        raise InvalidArgumentError(f"{STREAM_ENV}={value!r}: use 'current' (default) or 'side'")
+        raise InvalidArgumentError(f"{STREAM_ENV}={value!r}: use 'side' (default) or 'current'")
     return value
-
-
-# ---------------------------------------------------------------------------- completion
-class StreamOrdered(Pending):
-    """An operation enqueued on a CUDA stream: done for every kernel queued after it.
-
-    Attributes:
-        event: the CUDA event recorded right after the operation.
-    """
-
-    __slots__ = ("_owner", "_stream", "event")
-
-    def __init__(self, owner: NCCLCommunicator, stream, event):
-        self._owner, self._stream, self.event = owner, stream, event
-
-    def test(self) -> bool:
-        # No stream is ordered here: the engine's progress thread tests too, and ordering its
-        # stream would serialise the caller's work behind the collective. Waits order.
-        self._owner.check()
-        return True
-
-    def waited(self) -> None:
-        self._owner._live()  # raises the communicator's failure, if any
-        self.order_current_stream()
-
-    def queue_after(self, action) -> bool:
-        with torch.cuda.stream(self._stream):
-            action()
-        self.event.record(self._stream)  # waits (and the watchdog) now cover the action too
-        return True
-
-    def order_current_stream(self) -> None:
-        """Make the caller's current stream wait for the operation, if it ran on another one.
-
-        The host does not wait.
-        """
-        current = torch.cuda.current_stream(self._stream.device)
-        if current.cuda_stream != self._stream.cuda_stream:
-            current.wait_event(self.event)
-
-    def query(self) -> bool:
-        """True once the GPU has finished the operation (the host does not wait).
-
-        Raises:
-            CollectiveTimeout: the communicator's watchdog gave up on an operation.
-            CollectiveError: NCCL reported an error.
-        """
-        self._owner.check()
-        return self.event.query()
-
-    def synchronize(self) -> None:
-        """Block the host until the GPU has finished the operation, within its deadline.
-
-        Raises:
-            CollectiveTimeout: it (or an operation before it) did not complete in time.
-            CollectiveError: NCCL reported an error.
-        """
-        # No deadline of its own: the watchdog ends a stalled operation, and query() raises.
-        poll(self.query, math.inf)
-
-
-class HostPolled(StreamOrdered):
-    """An operation whose ``test()`` is True only once the GPU finished it (barrier)."""
-
-    __slots__ = ()
-
-    def test(self) -> bool:
-        return self.query()
 
 
 # ---------------------------------------------------------------------------- communicator
@@ -190,27 +127,28 @@ class NCCLCommunicator(Communicator):
     """Collectives on CUDA tensors through NCCL, called with CuPy's bindings.
 
     Attributes:
-        device: this rank's CUDA device.
         nccl_version: NCCL's runtime version code (``22703`` is 2.27.3).
-        stream_mode: ``"current"`` or ``"side"`` (see ``SMDDP_NCCL_STREAM``).
+        stream_mode: ``"side"`` or ``"current"`` (see ``SMDDP_NCCL_STREAM``).
+        error_handling: what a failure does (``SMDDP_NCCL_ASYNC_ERROR_HANDLING``, 0 to 3).
     """
 
     name = "nccl"
     device_types = ("cuda",)
+    dtypes = Communicator.dtypes | CONVERTED
 
     @classmethod
     def build(cls, ctx: Context) -> Dict[str, Communicator]:
         """This communicator for CUDA tensors and a CPU communicator (mpi, gloo or local) for CPU ones."""
         return with_cpu_companion("cuda", cls, ctx)
 
-    def __init__(self, ctx: Context, unique_id_key: Optional[str] = None):
-        """Set this rank's CUDA device and join the job's NCCL communicator.
-
-        ``unique_id_key``: the store key of the unique id (subgroups; see :func:`share_unique_id`).
+    def __init__(self, ctx: Context):
+        """Check that NCCL can run here; the NCCL communicator is made by the first collective.
 
         Raises:
             BackendUnavailableError: no CUDA device, CuPy or NCCL missing (the message says
-                what to install), or no way to share the unique id.
+                what to install).
+            InvalidArgumentError: ``ctx.device`` (``device_id``) is not a CUDA device here, or
+                a knob has a value it does not take.
         """
         super().__init__(ctx)
         if not torch.cuda.is_available():
@@ -219,111 +157,164 @@ class NCCLCommunicator(Communicator):
                 f"(CUDA build: {torch.version.cuda or 'no'}); use 'gloo' or 'mpi' for CPU tensors"
             )
         self.stream_mode = stream_mode()
+        self.error_handling = nccl_errors.error_handling()
         self._nccl = load_nccl()
-        self.device = pick_device(ctx, "cuda")
-        torch.cuda.set_device(self.device)
-        _use_cupy_device(self.device.index)
         self.nccl_version = int(self._nccl.get_version())
         self._dtype_codes = nccl_dtypes(self._nccl)
         self._op_codes = nccl_ops(self._nccl, self.nccl_version)
         if self.nccl_version < NCCL_2_10:
             self.dtypes = frozenset(self.dtypes - {torch.bfloat16})
-        uid = share_unique_id(self._nccl, ctx.topology, ctx.store, next_generation(), key=unique_id_key)
-        self._comm: Any = self._nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._ctx = ctx
+        #: ``device_id``, as given (subgroups inherit it); ``_bound``: the device it names here.
+        self.device_id = ctx.device
+        self._bound = pick_device(ctx, "cuda") if ctx.device is not None else None  # checks device_id now
+        self._lane: Optional[Lane] = None
+        self._open_lock = threading.Lock()
         # The first failure (a deadline passed, an NCCL error): raised by every later call and wait.
         self._error: Optional[BaseException] = None
-        self._abort_lock = threading.Lock()
+        self._error_lock = threading.Lock()
+        self._closing = False
         self._watch = Watchdog(ctx.timeout.total_seconds(), self._expired, self._poll_async_error,
                                name=f"smddp-nccl-watchdog-{self.rank}")
-        self._barrier_buf = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._side = torch.cuda.Stream(self.device) if self.stream_mode == "side" else None
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's CUDA device for the group: the communicator's once made, else the one it would take."""
+        lane = self._lane
+        if lane is not None:
+            return lane.device
+        return self._bound if self._bound is not None else pick_device(self._ctx, "cuda")
+
+    def subgroup(self, ranks: Sequence[int], ctx: Context) -> NCCLCommunicator:
+        """An NCCL communicator over the group of global ``ranks`` (its own id, in its own store)."""
+        device = ctx.device if ctx.device is not None else self.device_id
+        return type(self)(dataclasses.replace(ctx, device=device))
+
+    # ------------------------------------------------------------------ the communicator, at first use
+    def _lane_for(self, seq: int, op_name: str, tensor: Optional[torch.Tensor] = None) -> Lane:
+        lane = self._lane
+        if lane is None:
+            return self._open(seq, op_name, tensor)
+        if tensor is not None and tensor.device != lane.device:
+            check_device(tensor, lane.device, self.name)
+        return lane
+
+    def _open(self, seq: int, op_name: str, tensor: Optional[torch.Tensor]) -> Lane:
+        """Make the group's NCCL communicator (every rank's first collective of the group does)."""
+        with self._open_lock:
+            if self._lane is not None:
+                return self._lane_for(seq, op_name, tensor)
+            self.raise_failure()
+            device = self.device  # device_id, else the current device as set, else the local rank
+            if tensor is not None:
+                check_device(tensor, device, self.name)  # before anything is sent
+            deadline = time.monotonic() + self._watch.timeout
+            try:
+                uid = share_unique_id(self._nccl, self._ctx.topology, self._ctx.store, key=unique_id_key(),
+                                      deadline=deadline)
+                lane = open_lane(self._nccl, self.size, self.rank, uid, device, cuda_index(device), deadline,
+                                 self.stream_mode == "side")
+            except (UniqueIdTimeout, CreationTimeout) as exc:
+                raise self._give_up(seq, f"{op_name} (creating the NCCL communicator)") from exc
+            except CollectiveError as exc:
+                raise self._record(exc) from exc.__cause__
+            except Exception as exc:  # noqa: BLE001 - the store failed: say so, as a collective's failure
+                raise self._record(CollectiveError(
+                    f"{op_name}: sharing NCCL's unique id through the group's store failed on rank {self.rank}: "
+                    f"{exc}")) from exc
+            self._watch.device = lane.index
+            self._lane = lane
+            return lane
 
     # ------------------------------------------------------------------ failures
-    def _live(self):
+    def raise_failure(self) -> None:
+        """Raise the communicator's failure, if it has one."""
         if self._error is not None:
             raise self._error
-        comm = self._comm
-        if comm is None:
-            raise CollectiveError("the NCCL communicator was closed")
-        return comm
+
+    def _refusal(self) -> BaseException:
+        return self._error or CollectiveError("the NCCL communicator was closed")
 
     def check(self) -> None:
         """Raise the communicator's failure, if any: a deadline that passed or NCCL's asynchronous error.
 
         Raises:
-            CollectiveTimeout: an operation did not complete within the timeout (the
-                communicator was aborted).
-            CollectiveError: NCCL reported an error (a peer died, a network failure); the
-                communicator was aborted.
+            CollectiveTimeout: an operation did not complete within the timeout.
+            CollectiveError: NCCL reported an error (a peer died, a network failure).
         """
-        comm = self._live()
-        try:
-            comm.check_async_error()
-        except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
-            raise self._failed(exc, "an operation in flight") from exc
+        self.raise_failure()
+        lane = self._lane
+        if lane is None:
+            return
+        failure = None
+        with lane.calling(self._refusal) as comm:
+            try:
+                comm.check_async_error()
+            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
+                failure = exc
+        if failure is not None:
+            raise self._give_up(None, "an operation in flight", failure) from failure
 
     def _record(self, error: BaseException) -> BaseException:
         """Make ``error`` the communicator's failure unless it has one; return the one it has."""
-        with self._abort_lock:
+        with self._error_lock:
             if self._error is None:
                 self._error = error
             return self._error
 
-    def _failed(self, exc: BaseException, what: str) -> BaseException:
-        """The error ``exc`` (from NCCL) is this communicator's failure: record it once, abort."""
-        error = self._record(CollectiveError(
-            f"NCCL reported an error on rank {self.rank} ({self.device}) in {what}: {exc}. The NCCL "
-            f"communicator was aborted; set NCCL_DEBUG=WARN to see NCCL's own report"))
-        self.abort()
+    def _give_up(self, seq: Optional[int], op_name: str, nccl_error: Optional[BaseException] = None) -> BaseException:
+        """Operation ``seq`` failed (NCCL's error) or passed its deadline (None): record why, then act
+        as the error-handling mode says (abort, end the process, or neither). Returns the failure."""
+        if nccl_error is not None:
+            where = op_name if seq is None else f"{op_name} (sequence number {seq})"
+            error = CollectiveError(
+                f"NCCL reported an error on rank {self.rank} ({self.device}) in {where}: {nccl_error}. Set "
+                f"NCCL_DEBUG=WARN to see NCCL's own report")
+        elif self._error is None:  # the engine's report asks the other ranks: not under a lock
+            hook = None if self._closing else self.on_timeout
+            error = hook(seq, op_name) if hook is not None else CollectiveTimeout(
+                f"{op_name} (sequence number {seq}) did not complete within {self._watch.timeout:g} s on rank "
+                f"{self.rank} of {self.size}")
+        else:
+            error = self._error
+        error = self._record(error)
+        mode = nccl_errors.CLEAN_UP_ONLY if self._closing else self.error_handling
+        if nccl_errors.aborts(mode):
+            self.abort()
+        else:
+            self._watch.stop()
+        if nccl_errors.ends_process(mode):
+            nccl_errors.end_process(error, self.rank, mode)
         return error
 
     def _poll_async_error(self) -> None:
-        comm = self._comm
-        if comm is not None:
-            comm.check_async_error()
+        lane = self._lane
+        if lane is not None:
+            with lane.calling(self._refusal) as comm:
+                comm.check_async_error()
 
     def _expired(self, watched: Watched, error: Optional[BaseException]) -> None:
-        """The watchdog gave up on ``watched``: record why, then abort (the one abort path)."""
-        if error is not None:
-            self._failed(error, f"{watched.op_name} (sequence number {watched.seq})")
-            return
-        if self._error is None:  # the engine's report asks the other ranks: not under the lock
-            hook = self.on_timeout
-            self._record(hook(watched.seq, watched.op_name) if hook is not None else CollectiveTimeout(
-                f"{watched.op_name} (sequence number {watched.seq}) did not complete within "
-                f"{self._watch.timeout:g} s on rank {self.rank} of {self.size}; the NCCL communicator "
-                f"was aborted"))
-        self.abort()
+        """The watchdog gave up on ``watched`` (its deadline, or NCCL's ``error``)."""
+        self._give_up(watched.seq, watched.op_name, error)
 
     # ------------------------------------------------------------------ plumbing
-    def _stream(self, *tensors: torch.Tensor):
-        """The stream to enqueue on, ordered after everything queued on the current stream."""
-        current = torch.cuda.current_stream(self.device)
-        if self._side is None:
-            return current
-        self._side.wait_stream(current)
-        for tensor in tensors:
-            # the caching allocator must not reuse these until the side stream is done
-            tensor.record_stream(self._side)
-        return self._side
-
-    def _enqueue(self, seq: int, op_name: str, stream, call: Callable[[Any], None],
-                 pending: type = StreamOrdered) -> StreamOrdered:
-        """Run ``call(comm)``, which enqueues an operation on ``stream``, under the operation's deadline."""
-        comm = self._live()
-        watched = self._watch.start(seq, op_name)
-        try:
-            call(comm)
-        except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
-            raise self._failed(exc, f"{op_name} (sequence number {seq})") from exc
-        event = torch.cuda.Event()
-        event.record(stream)
+    def _enqueue(self, lane: Lane, seq: int, op_name: str, stream, call: Callable[[Any, Any], None],
+                 held: tuple, pending: type = StreamOrdered) -> StreamOrdered:
+        """Run ``call(comm, stream)``, which enqueues an operation on ``stream``, under its deadline."""
+        failure = event = None
+        with lane.calling(self._refusal) as comm:
+            watched = self._watch.start(seq, op_name, held)
+            try:
+                with torch.cuda.device(lane.index):
+                    call(comm, stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
+                failure = exc
+        if failure is not None:
+            raise self._give_up(seq, op_name, failure) from failure
         watched.event = event
-        return pending(self, stream, event)
-
-    def _dtype(self, tensor: torch.Tensor) -> int:
-        check_device(tensor, self.device, self.name)
-        return self._dtype_codes[tensor.dtype]
+        return pending(self, lane, stream, event, watched)
 
     def _reduce_code(self, op: Op) -> Tuple[int, bool]:
         """NCCL's code for ``op``, and whether AVERAGE must divide the sum afterwards (NCCL < 2.10)."""
@@ -332,41 +323,47 @@ class NCCLCommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        dtype = self._dtype(tensor)
+        wire, op = on_the_wire(tensor, op, "all_reduce")
+        dtype = self._dtype_codes[wire.dtype]
         code, divide = self._reduce_code(op)
-        stream = self._stream(tensor)
+        lane = self._lane_for(tag, "all_reduce", tensor)
+        stream = lane.stream()
 
-        def call(comm) -> None:
-            if tensor.numel():
-                ptr = tensor.data_ptr()
-                comm.allReduce(ptr, ptr, tensor.numel(), dtype, code, stream.cuda_stream)
+        def call(comm, stream) -> None:
+            if wire.numel():
+                ptr = wire.data_ptr()
+                comm.allReduce(ptr, ptr, wire.numel(), dtype, code, stream.cuda_stream)
                 if divide:
                     with torch.cuda.stream(stream):
-                        average(tensor, self.size)
+                        average(wire, self.size)
 
-        return self._enqueue(tag, "all_reduce", stream, call)
+        return self._enqueue(lane, tag, "all_reduce", stream, call, (tensor,))
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        dtype = self._dtype(tensor)
-        stream = self._stream(tensor)
+        wire, _ = on_the_wire(tensor, None, "broadcast")
+        dtype = self._dtype_codes[wire.dtype]
+        lane = self._lane_for(tag, "broadcast", tensor)
+        stream = lane.stream()
 
-        def call(comm) -> None:
-            if tensor.numel():
-                ptr = tensor.data_ptr()
-                comm.broadcast(ptr, ptr, tensor.numel(), dtype, src, stream.cuda_stream)
+        def call(comm, stream) -> None:
+            if wire.numel():
+                ptr = wire.data_ptr()
+                comm.broadcast(ptr, ptr, wire.numel(), dtype, src, stream.cuda_stream)
 
-        return self._enqueue(tag, "broadcast", stream, call)
+        return self._enqueue(lane, tag, "broadcast", stream, call, (tensor,))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
-        dtype = self._dtype(input)
-        self._dtype(output)
-        stream = self._stream(output, input)
+        wire_in, _ = on_the_wire(input, None, "all_gather")
+        wire_out, _ = on_the_wire(output, None, "all_gather")
+        dtype = self._dtype_codes[wire_in.dtype]
+        lane = self._lane_for(tag, "all_gather", input)
+        stream = lane.stream()
 
-        def call(comm) -> None:
-            if input.numel():
-                comm.allGather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, stream.cuda_stream)
+        def call(comm, stream) -> None:
+            if wire_in.numel():
+                comm.allGather(wire_in.data_ptr(), wire_out.data_ptr(), wire_in.numel(), dtype, stream.cuda_stream)
 
-        return self._enqueue(tag, "all_gather", stream, call)
+        return self._enqueue(lane, tag, "all_gather", stream, call, (output, input))
 
     def all_to_all_single(
         self,
@@ -376,86 +373,103 @@ class NCCLCommunicator(Communicator):
         input_counts: Sequence[int],
         tag: int,
     ) -> Pending:
-        dtype = self._dtype(input)
-        self._dtype(output)
+        wire_in, _ = on_the_wire(input, None, "all_to_all_single")
+        wire_out, _ = on_the_wire(output, None, "all_to_all_single")
+        dtype = self._dtype_codes[wire_in.dtype]
         calls, own = all_to_all_plan(self.rank, self.size, output_counts, input_counts)
-        stream = self._stream(output, input)
+        lane = self._lane_for(tag, "all_to_all_single", input)
+        stream = lane.stream()
+        per = wire_in.numel() // input.numel() if input.numel() else 1  # 2 for complex (real view)
 
-        def call(comm) -> None:
+        def call(comm, stream) -> None:
             if own is not None:
                 out_offset, in_offset, count = own
                 with torch.cuda.stream(stream):
                     output[out_offset:out_offset + count].copy_(input[in_offset:in_offset + count])
             if not calls:
                 return
-            itemsize = input.element_size()
-            send_base, recv_base, handle = input.data_ptr(), output.data_ptr(), stream.cuda_stream
+            itemsize = wire_in.element_size() * per
+            send_base, recv_base, handle = wire_in.data_ptr(), wire_out.data_ptr(), stream.cuda_stream
             self._nccl.groupStart()
             try:
                 for kind, peer, offset, count in calls:
                     if kind == "send":
-                        comm.send(send_base + offset * itemsize, count, dtype, peer, handle)
+                        comm.send(send_base + offset * itemsize, count * per, dtype, peer, handle)
                     else:
-                        comm.recv(recv_base + offset * itemsize, count, dtype, peer, handle)
+                        comm.recv(recv_base + offset * itemsize, count * per, dtype, peer, handle)
             finally:
                 self._nccl.groupEnd()
 
-        return self._enqueue(tag, "all_to_all_single", stream, call)
+        return self._enqueue(lane, tag, "all_to_all_single", stream, call, (output, input))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
         # NCCL reduces half precision in the dtype, as torch's NCCL group does (moving float32
         # copies would double the bytes on the wire): the one exception to comm.base.HALF.
-        dtype = self._dtype(input)
-        self._dtype(output)
-        code, divide = self._reduce_code(op)
-        stream = self._stream(output, input)
+        wire_in, wire_op = on_the_wire(input, op, "reduce_scatter")
+        wire_out, _ = on_the_wire(output, op, "reduce_scatter")
+        dtype = self._dtype_codes[wire_in.dtype]
+        code, divide = self._reduce_code(wire_op)
+        lane = self._lane_for(tag, "reduce_scatter", input)
+        stream = lane.stream()
 
-        def call(comm) -> None:
-            if output.numel():
-                comm.reduceScatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype, code,
+        def call(comm, stream) -> None:
+            if wire_out.numel():
+                comm.reduceScatter(wire_in.data_ptr(), wire_out.data_ptr(), wire_out.numel(), dtype, code,
                                    stream.cuda_stream)
                 if divide:
                     with torch.cuda.stream(stream):
-                        average(output, self.size)
+                        average(wire_out, self.size)
 
-        return self._enqueue(tag, "reduce_scatter", stream, call)
+        return self._enqueue(lane, tag, "reduce_scatter", stream, call, (output, input))
 
     def barrier(self, tag: int) -> Pending:
         # The host waits here, as for torch's NCCL barrier: a one-element all_reduce after
-        # everything queued so far, on the current stream and (side mode) the side stream.
-        stream = self._stream()
-        return self._enqueue(tag, "barrier", stream, lambda comm: self._sum_one(comm, stream), HostPolled)
+        # everything queued so far (on the group's stream, which waits for the current one).
+        lane = self._lane_for(tag, "barrier")
+        stream = lane.stream()
+        return self._enqueue(lane, tag, "barrier", stream, self._sum_one(lane), (), HostPolled)
 
-    def _sum_one(self, comm, stream) -> None:
-        ptr = self._barrier_buf.data_ptr()
-        comm.allReduce(ptr, ptr, 1, self._dtype_codes[torch.float32], self._op_codes[Op.SUM], stream.cuda_stream)
+    def _sum_one(self, lane: Lane) -> Callable[[Any, Any], None]:
+        ptr = lane.barrier_buf.data_ptr()
+        codes = self._dtype_codes[torch.float32], self._op_codes[Op.SUM]
+        return lambda comm, stream: comm.allReduce(ptr, ptr, 1, *codes, stream.cuda_stream)
 
     # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
-        """Abort the NCCL communicator at once (``ncclCommAbort``): operations in flight end.
+        """Abort the NCCL communicator (``ncclCommAbort``): operations in flight end.
 
-        Every failure ends here: a deadline that passed, an NCCL error, a teardown that
-        could not complete. Later calls raise the failure, or say the communicator was closed.
+        No call starts on it meanwhile. An abort that does not return within
+        :data:`~smddp.comm.backends.nccl_errors.ABORT_GRACE` seconds ends the process.
         """
         self._watch.stop()
-        with self._abort_lock:
-            comm, self._comm = self._comm, None
-        if comm is not None:
-            comm.abort()
+        lane = self._lane
+        comm = lane.take() if lane is not None else None
+        if comm is None:
+            return
+        grace = nccl_errors.ABORT_GRACE
+
+        def stuck() -> None:
+            nccl_errors.end_process(CollectiveError(
+                f"ncclCommAbort did not return within {grace:g} s on rank {self.rank} ({self.device}); "
+                f"ending the process so that the job does not hang"), self.rank, self.error_handling)
+
+        nccl_errors.abort_within(comm, grace, stuck)
 
     def close(self) -> None:
         """Wait for every rank (a last barrier, within the job's timeout), then destroy.
 
-        A communicator that failed, or whose operations (the barrier included) do not
-        complete in time, is aborted instead, so teardown never hangs.
+        A communicator never made has nothing to free. One that failed, or whose operations
+        (the barrier included) do not complete in time, is aborted instead.
         """
-        if self._comm is None:
+        lane = self._lane
+        if lane is None or lane.comm is None:
             self._watch.stop()
             return
         self.on_timeout = None  # the job's stall report has closed already
+        self._closing = True
         try:
-            stream = self._stream()
-            self._enqueue(0, "barrier (destroy_process_group)", stream, lambda comm: self._sum_one(comm, stream))
+            stream = lane.stream()
+            self._enqueue(lane, 0, "barrier (destroy_process_group)", stream, self._sum_one(lane), ())
             clean = self._watch.drain() and self._error is None
         except CollectiveError:
             clean = False
@@ -463,16 +477,6 @@ class NCCLCommunicator(Communicator):
             self.abort()
             return
         self._watch.stop()
-        with self._abort_lock:
-            comm, self._comm = self._comm, None
+        comm = lane.take()
         if comm is not None:
             comm.destroy()
-
-
-def _use_cupy_device(index: int) -> None:
-    """Make ``index`` CuPy's current device too (CuPy may carry its own CUDA runtime)."""
-    try:
-        from cupy.cuda import runtime
-    except ImportError:
-        return
-    runtime.setDevice(index)

@@ -1,4 +1,5 @@
-"""CuPy's NCCL module (``cupy.cuda.nccl``): loading it, and its data type and operation codes."""
+"""CuPy's NCCL module (``cupy.cuda.nccl``): loading it, its data type and operation codes, and
+the dtypes NCCL has no type for, sent as torch's NCCL group sends them (:func:`on_the_wire`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from smddp.comm.backends.devices import CUDA_INSTALL
 from smddp.comm.base import Op
-from smddp.errors import BackendUnavailableError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 
 #: NCCL's ``ncclDataType_t`` values (nccl.h), used where CuPy lacks the constant
 #: (older CuPy has no ``NCCL_BFLOAT16``).
@@ -36,7 +37,57 @@ _OP_CODES: Dict[Op, Tuple[str, int]] = {
 #: (the code is major * 10000 + minor * 100 + patch since 2.9).
 NCCL_2_10 = 21000
 
+#: Complex tensors travel as their real view (``torch.view_as_real``), as torch's NCCL group
+#: sends them; only the reductions that act on each real number alone apply.
+COMPLEX = frozenset({torch.complex64, torch.complex128})
+_COMPLEX_OPS = (Op.SUM, Op.AVERAGE)
+#: float8 tensors travel as bytes (NCCL's uint8), as torch's NCCL group sends them; no reduction.
+FLOAT8 = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+#: The dtypes the ``nccl`` backend takes besides those NCCL has a type for: bool (as uint8),
+#: complex (as its real view) and float8 (as bytes). int16 has no NCCL type and is refused,
+#: as torch's NCCL group refuses it.
+CONVERTED = frozenset({torch.bool}) | COMPLEX | FLOAT8
 
+
+def on_the_wire(tensor: torch.Tensor, op: Optional[Op] = None, what: str = "collective"):
+    """What NCCL moves for ``tensor``, and the reduction it applies: torch's NCCL group's rules.
+
+    - bool: its bytes as uint8; SUM becomes MAX (a logical or that cannot overflow), MIN,
+      MAX and PRODUCT act on 0 and 1 as logic does; AVERAGE is refused.
+    - complex64/complex128: the real view (twice the elements, float32/float64); SUM and
+      AVERAGE only (MIN, MAX and PRODUCT of complex numbers are not those of their parts).
+    - float8: its bytes as uint8; moved (broadcast, gathers, all_to_all), never reduced.
+    - any other dtype: itself, unchanged.
+
+    Args:
+        tensor: a contiguous tensor.
+        op: the reduction, or None for a collective that moves data only.
+        what: the collective's name, for errors.
+
+    Returns:
+        ``(wire, op)``: a view of ``tensor``'s memory (writes land in ``tensor``) and the op.
+
+    Raises:
+        InvalidTypeError: AVERAGE on bool, or a reduction of float8 (a TypeError, as torch's).
+        InvalidArgumentError: MIN, MAX or PRODUCT of complex numbers (a ValueError, as torch's).
+    """
+    dtype = tensor.dtype
+    if dtype not in CONVERTED:
+        return tensor, op
+    if dtype is torch.bool:
+        if op is Op.AVERAGE:
+            raise InvalidTypeError(f"{what}: AVERAGE of bool tensors is refused, as by torch's NCCL group; "
+                                   f"use SUM (a logical or), MIN or MAX, or convert to a number type")
+        return tensor.view(torch.uint8), (Op.MAX if op is Op.SUM else op)
+    if dtype in COMPLEX:
+        if op is not None and op not in _COMPLEX_OPS:
+            raise InvalidArgumentError(f"{what} does not support {op.name} on complex tensors (as torch's "
+                                       f"NCCL group); SUM and AVERAGE work on them")
+        return torch.view_as_real(tensor).flatten(), op
+    if op is not None:
+        raise InvalidTypeError(f"{what}: {dtype} tensors are moved, not reduced, on NCCL (as by torch's "
+                               f"NCCL group); reduce them in float16, bfloat16 or float32")
+    return tensor.view(torch.uint8), op
 
 
 def load_nccl():

@@ -5,12 +5,14 @@ signed on x86, unsigned on ARM), and its ``NcclCommunicator`` takes back exactly
 travels as raw bytes, never pickled: one byte saying which form rank 0's CuPy used, then the
 128 bytes of ``ncclUniqueId`` (:func:`encode`). Receivers check the length and the form
 (:func:`decode`) and rebuild the same type and values; the ranks of one job run one CuPy build.
-Over MPI it goes by a buffer broadcast (``Bcast``), otherwise through the job's store.
+It goes through the group's store, under a deadline; over MPI (a buffer broadcast, ``Bcast``)
+only where there is no store.
 """
 
 from __future__ import annotations
 
-import itertools
+import time
+from datetime import timedelta
 from typing import Optional, Tuple, Union
 
 from smddp._topology import Topology
@@ -19,62 +21,83 @@ from smddp.errors import BackendUnavailableError, CollectiveError
 
 UniqueId = Union[bytes, Tuple[int, ...]]
 
-# Every rank creates its NCCL communicators in the same order, so this per-process count
-# names the store key of each one's unique id alike on all ranks (a store that outlives
-# one init_process_group() never hands out a stale id).
-_generation = itertools.count()
+
+def unique_id_key(device_type: str = "cuda") -> str:
+    """The store key of a group's NCCL unique id, under the group's own store.
+
+    Every group has a store of its own (torch's prefix for the group, under smddp's prefix for
+    the world it belongs to), and one NCCL communicator per device type: the key needs nothing
+    else. Never a per-process count: ranks that made different numbers of groups (the members
+    of a subgroup) would look for different keys. Not the device's index either: the ranks of
+    one host use different GPUs.
+    """
+    return f"smddp/nccl/{device_type}/unique_id"
 
 
-def next_generation() -> int:
-    """The number of this process's next NCCL communicator (names its unique id's store key)."""
-    return next(_generation)
+class UniqueIdTimeout(CollectiveError):
+    """Rank 0's unique id did not arrive in the store before the deadline."""
 
 
-def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, mpi_comm=None,
-                    key: Optional[str] = None) -> UniqueId:
+def share_unique_id(nccl, topology: Topology, store=None, mpi_comm=None, key: Optional[str] = None,
+                    deadline: Optional[float] = None) -> UniqueId:
     """Rank 0's new NCCL unique id, on every rank.
 
-    Sent with an MPI broadcast when ``mpi_comm`` is given or an MPI launcher started the job
-    and mpi4py is installed; otherwise through ``store``.
+    Through ``store`` when there is one (every smddp group has one: the wait has a deadline);
+    otherwise with an MPI broadcast (``mpi_comm``, or ``COMM_WORLD`` under an MPI launcher).
 
     Args:
         nccl: CuPy's NCCL module (or a stand-in with ``get_unique_id()``).
-        topology: this process's topology.
-        store: the job's torch store (``set``/``get`` of bytes).
-        generation: which communicator of this process the id is for.
-        mpi_comm: an mpi4py communicator to broadcast over (default ``COMM_WORLD`` under MPI).
-        key: the store key (default one per ``generation``); a subgroup's store is its own,
-            and its members may have made different numbers of communicators before.
+        topology: this process's topology in the group.
+        store: the group's torch store (``set``/``wait``/``get`` of bytes).
+        mpi_comm: an mpi4py communicator to broadcast over when there is no store.
+        key: the store key (default :func:`unique_id_key`).
+        deadline: ``time.monotonic()`` by which the id must have arrived (store only).
 
     Returns:
         The id, as the type ``nccl.get_unique_id()`` returns.
 
     Raises:
-        BackendUnavailableError: more than one rank, no MPI and no store.
+        UniqueIdTimeout: the id was not in the store by ``deadline``.
+        BackendUnavailableError: more than one rank, no store and no MPI.
     """
+    if store is None and topology.size == 1:
+        return nccl.get_unique_id()
+    if store is not None:
+        key = key or unique_id_key()
+        if topology.rank == 0:
+            uid = nccl.get_unique_id()
+            store.set(key, encode(uid))
+            return uid
+        _wait(store, key, deadline)
+        return decode(store.get(key), f"store key {key!r}")
     if mpi_comm is None and topology.mpi and _mpi4py_installed():
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD
-    if mpi_comm is not None:
-        if topology.rank == 0:
-            uid = nccl.get_unique_id()
-            bcast_bytes(mpi_comm, encode(uid), root=0)
-            return uid
-        return decode(bcast_bytes(mpi_comm, None, root=0), "MPI broadcast from rank 0")
-    if topology.size == 1:
-        return nccl.get_unique_id()
-    if store is None:
+    if mpi_comm is None:
         raise BackendUnavailableError(
             f"rank {topology.rank} of {topology.size} has no way to share NCCL's unique id: launch with "
             f"mpirun (and pip install 'smddp[mpi]') or torchrun, or pass a store to init_process_group"
         )
-    key = key or f"smddp/nccl/{generation}/unique_id"
     if topology.rank == 0:
         uid = nccl.get_unique_id()
-        store.set(key, encode(uid))
+        bcast_bytes(mpi_comm, encode(uid), root=0)
         return uid
-    return decode(store.get(key), f"store key {key!r}")
+    return decode(bcast_bytes(mpi_comm, None, root=0), "MPI broadcast from rank 0")
+
+
+def _wait(store, key: str, deadline: Optional[float]) -> None:
+    """Wait for ``key`` in ``store`` until ``deadline`` (the store's own timeout without one)."""
+    if deadline is None:
+        store.wait([key])
+        return
+    try:
+        store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except Exception as exc:  # noqa: BLE001 - torch's stores raise RuntimeError (DistStoreError) on timeout
+        if time.monotonic() >= deadline - 0.01:
+            raise UniqueIdTimeout(f"NCCL's unique id (store key {key!r}) did not arrive from rank 0 in time: "
+                                  f"{exc}") from exc
+        raise
 
 
 #: ``sizeof(ncclUniqueId)`` (``NCCL_UNIQUE_ID_BYTES``).

@@ -8,17 +8,25 @@ after each operation against the operation's deadline. An operation is watched f
 *before* its NCCL call: a call that blocks the host (NCCL connects to peers lazily, inside
 the first operation with each) expires like a stalled kernel.
 
+Each record also holds every tensor the operation's stream reads or writes (``held``) until
+its event completes, as torch's NCCL group stashes them: a tensor the caller drops meanwhile
+is not handed back to the caching allocator while NCCL still uses its memory.
+
+The thread sets its CUDA device (:attr:`Watchdog.device`) before it looks at an event, so it
+makes no CUDA context on another GPU.
+
 On the first deadline that passes, or the first asynchronous error NCCL reports, the
-watchdog calls ``expire(watched, error)`` once and stops: the communicator turns it into
-the error its next call or wait raises, and aborts NCCL (``ncclCommAbort`` ends the
-kernels and calls that wait for peers).
+watchdog calls ``expire(watched, error)`` once and stops: the communicator decides what
+follows (:mod:`smddp.comm.backends.nccl_errors`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
+
+import torch
 
 #: Seconds between two looks at the operations in flight (torch's watchdog: 0.1 s).
 POLL = 0.05
@@ -32,12 +40,14 @@ class Watched:
         op_name: what was called.
         deadline: ``time.monotonic()`` by which it must complete.
         event: the CUDA event recorded after it; None while its NCCL call has not returned.
+        held: what its stream uses (tensors, and the steps queued after it), kept until
+            ``event`` completes.
     """
 
-    __slots__ = ("seq", "op_name", "deadline", "event")
+    __slots__ = ("seq", "op_name", "deadline", "event", "held")
 
-    def __init__(self, seq: int, op_name: str, deadline: float):
-        self.seq, self.op_name, self.deadline, self.event = seq, op_name, deadline, None
+    def __init__(self, seq: int, op_name: str, deadline: float, held: Any = ()):
+        self.seq, self.op_name, self.deadline, self.event, self.held = seq, op_name, deadline, None, held
 
     def done(self) -> bool:
         """True once the GPU has finished the operation."""
@@ -65,18 +75,30 @@ class Watchdog:
         self._stopped = False
         self._expiring = False  # expire() is running: drain() waits for its abort to finish
         self.expired = False
+        #: The CUDA device index the thread sets before it looks at events (None: leave it).
+        self.device: Optional[int] = None
 
-    def start(self, seq: int, op_name: str) -> Watched:
+    def start(self, seq: int, op_name: str, held: Any = ()) -> Watched:
         """Watch an operation about to be enqueued; set its ``event`` once it is.
 
         Args:
             seq: its sequence number.
             op_name: its name, for the error.
+            held: what its stream uses, kept until its event completes.
 
         Returns:
             The record; the operation counts as in flight until its event completes.
         """
-        watched = Watched(seq, op_name, time.monotonic() + self.timeout)
+        return self._add(Watched(seq, op_name, time.monotonic() + self.timeout, held))
+
+    def follow(self, watched: Watched, event, held: Any) -> Watched:
+        """Watch a step queued after ``watched`` on its stream (a copy back): same operation and
+        deadline, ``event`` recorded after the step, ``held`` kept until then."""
+        after = Watched(watched.seq, watched.op_name, watched.deadline, held)
+        after.event = event
+        return self._add(after)
+
+    def _add(self, watched: Watched) -> Watched:
         with self._cv:
             self._inflight.append(watched)
             if self._thread is None and not self._stopped:
@@ -107,6 +129,8 @@ class Watchdog:
             thread.join(10.0)
 
     def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)  # events are queried here: no context on GPU 0
         while True:
             with self._cv:
                 while not self._inflight and not self._stopped:
@@ -118,6 +142,9 @@ class Watchdog:
             with self._cv:
                 if failed is None:
                     finished = {id(w) for w in watched if w.done()}  # event.query() does not block
+                    for w in watched:
+                        if id(w) in finished:
+                            w.held = ()  # the stream is done with them: the allocator may have them back
                     self._inflight = [w for w in self._inflight if id(w) not in finished]
                     self._cv.notify_all()
                     if self._inflight:

@@ -108,6 +108,8 @@ class TorchBackendCommunicator(Communicator):
             BackendUnavailableError: the device or library is missing (says what to install).
         """
         super().__init__(ctx)
+        #: torch makes a group's NCCL communicator at first use, eagerly only for a device_id.
+        self.eager = ctx.device is not None
         if backend is None:
             self.device = self._pick_device(ctx)
             store = ctx.store
@@ -230,8 +232,8 @@ class TorchNCCLCommunicator(TorchBackendCommunicator):
         options._timeout = timeout
         backend = ProcessGroupNCCL(store, self.rank, self.size, options)
         connect = getattr(backend, "eager_connect_single_device", None)
-        if connect is not None:
-            # Create the NCCL communicator now, on this device, rather than at the first call.
+        if connect is not None and self.eager:
+            # As torch's init_process_group(device_id=...): the NCCL communicator now, on this device.
             connect(self.device)
         return backend
 
