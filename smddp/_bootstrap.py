@@ -29,7 +29,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _parent_watch, _runtime, _smdistributed_finder, knobs
+from smddp import _mca, _parent_watch, _runtime, _smdistributed_finder, knobs
 from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
@@ -86,6 +86,7 @@ def _end_mpi_job(code: int) -> None:
     global _watchdog_sink
     _watchdog_sink = open(os.devnull, "w")  # noqa: SIM115 - must outlive this call
     faulthandler.dump_traceback_later(_JOIN_MPI_S, exit=True, file=_watchdog_sink)
+    _mca.one_host_defaults()
     try:
         from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
     except Exception:  # noqa: BLE001 - no usable MPI: the launcher ends the job on our exit

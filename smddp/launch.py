@@ -267,7 +267,7 @@ def mpirun_command(opts: Options, mpi: MPI, env: Mapping[str, str]) -> List[str]
             cmd += ["--prtemca", "state_base_error_non_zero_exit", "1"]
         else:
             cmd += ["--mca", "orte_abort_on_non_zero_status", "1"]
-        cmd += network_args(mpi, single_host(opts, env), env)
+        cmd += network_args(mpi, single_host(opts, env), env, opts.mpi_args)
         for name in forwarded:
             cmd += ["-x", name]
     return cmd + opts.mpi_args + _rank_program(opts)

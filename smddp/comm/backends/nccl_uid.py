@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Tuple, Union
 
+from smddp import _mca
 from smddp._topology import Topology
 from smddp._wire import bcast_bytes
 from smddp.errors import BackendUnavailableError, CollectiveError
@@ -53,6 +54,7 @@ def share_unique_id(nccl, topology: Topology, store=None, generation: int = 0, m
         BackendUnavailableError: more than one rank, no MPI and no store.
     """
     if mpi_comm is None and topology.mpi and _mpi4py_installed():
+        _mca.one_host_defaults()
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD
