@@ -9,6 +9,8 @@ SageMaker's runner gives it, then runs the program as ``python script.py args`` 
   that contradicts the launcher ends the process with an error naming both;
 - the ``smdistributed`` import alias (:mod:`smddp._smdistributed_finder`), unless
   ``SMDDP_ALIAS_SMDISTRIBUTED=0``;
+- with SageMaker's data-parallel switch on and no GPU visible, what Hugging Face and
+  accelerate need to train on CPU (:mod:`smddp._sagemaker_switch`);
 - an uncaught exception ends the whole MPI job (``MPI_Abort``, as ``python -m mpi4py`` does)
   instead of leaving the other ranks waiting in a collective, and a finalize that never returns;
 - the process ends with what started it: smddprun itself (no mpirun), or the MPI launcher's
@@ -29,7 +31,7 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp import _parent_watch, _runtime, _smdistributed_finder, knobs
+from smddp import _mca, _parent_watch, _runtime, _sagemaker_switch, _smdistributed_finder, knobs
 from smddp._excepthook import abort_mpi
 from smddp._topology import LAUNCHER_PID_ENV, Topology, discover
 from smddp.errors import InvalidArgumentError
@@ -86,6 +88,7 @@ def _end_mpi_job(code: int) -> None:
     global _watchdog_sink
     _watchdog_sink = open(os.devnull, "w")  # noqa: SIM115 - must outlive this call
     faulthandler.dump_traceback_later(_JOIN_MPI_S, exit=True, file=_watchdog_sink)
+    _mca.one_host_defaults()
     try:
         from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
     except Exception:  # noqa: BLE001 - no usable MPI: the launcher ends the job on our exit
@@ -178,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _guard_mpi4py(topo)
     if knobs.value(ALIAS_ENV):
         _smdistributed_finder.enable(note=topo.rank == 0)
+    _sagemaker_switch.apply()
     try:
         _run(script, module, args)
     except SystemExit as exc:

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import List, Mapping, Sequence
 
+from smddp._mca import one_host_btl, user_chose_btl
 from smddp._sockets import interface
 
 #: Signals passed on to mpirun (those that end or control a job).
@@ -42,21 +43,27 @@ class MPI:
     major: int = 0
 
 
-def network_args(mpi: MPI, one_host: bool, env: Mapping[str, str]) -> List[str]:
+def network_args(mpi: MPI, one_host: bool, env: Mapping[str, str], user_args: Sequence[str] = ()) -> List[str]:
     """Open MPI options that keep the job's MPI traffic off the network where it need not go.
 
     One host: the ranks talk through shared memory only (``--mca btl self,sm``; ``vader`` before
-    Open MPI 5), so they open no TCP listener. ``SMDDP_SOCKET_IFNAME``: the TCP transport and
-    the daemons' out-of-band channel use that interface only. Open MPI 5's daemon (PRRTE)
-    cannot listen on loopback alone on a host that has another interface (its interface list
-    leaves loopback out), so on one host it still listens on every interface: see
-    docs/security.md. MPICH's hydra gets nothing here.
+    Open MPI 5), so they open no TCP listener, unless the user chose the transports
+    (:func:`smddp._mca.user_chose_btl`: in ``user_args``, ``env`` or a parameter file).
+    ``SMDDP_SOCKET_IFNAME``: the TCP transport and the daemons' out-of-band channel use that
+    interface only. Open MPI 5's daemon (PRRTE) listens on every interface whatever it is
+    told, so on one host it still does: see docs/security.md. MPICH's hydra gets nothing here.
+
+    Args:
+        mpi: the mpirun that starts the job.
+        one_host: every rank runs on this host.
+        env: the environment mpirun starts with.
+        user_args: the user's own mpirun arguments (``--mpi-args``).
     """
     if mpi.flavor != "openmpi":
         return []
     args: List[str] = []
-    if one_host:
-        args += ["--mca", "btl", "self,sm" if mpi.major >= 5 else "self,vader"]
+    if one_host and not user_chose_btl(env, user_args):
+        args += ["--mca", "btl", one_host_btl(mpi.major)]
     name = interface(env)
     if name:
         if not one_host:

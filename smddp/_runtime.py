@@ -19,7 +19,7 @@ import json
 import socket
 from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
-from smddp import _sockets
+from smddp import _mca, _sockets
 from smddp._topology import Topology
 from smddp._wire import bcast_json
 from smddp.errors import InvalidArgumentError
@@ -91,6 +91,7 @@ def check_port_free(port: int, where: str) -> None:
 
 def _master_over_mpi(topo: Topology, addr: Optional[str], port: Optional[int]) -> Tuple[Optional[str], Optional[int]]:
     """Rank 0's choice of the missing address and port, sent to every rank over MPI."""
+    _mca.one_host_defaults()
     try:
         from mpi4py import MPI
     except ImportError:

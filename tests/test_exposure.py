@@ -3,8 +3,9 @@
 Real jobs hold still (``scripts/exposure_probe.py``) while the test reads every listening TCP
 socket of their processes from /proc (``/proc/net/tcp{,6}`` and each process's descriptors).
 A job on one host must listen on loopback only, in every process smddp controls: the ranks
-under every launcher, and smddprun itself. Open MPI 5's daemon (``prterun``) and torchrun's
-agent are not smddp's and cannot be put on loopback (docs/security.md); they are left out.
+under every launcher (plain ``mpirun`` included, where smddp initializes MPI in the ranks), and
+smddprun itself. Open MPI 5's daemon (``prterun``) and torchrun's agent are not smddp's and
+cannot be put on loopback (docs/security.md); they are left out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
-from smddp import _sockets
+from smddp import _mca, _sockets
 
 from launchers import MPIRUN, ROOT, SCRIPTS, base_env, descendants, free_port
 
@@ -156,7 +157,7 @@ def test_smddprun_on_one_host_listens_on_loopback_only_launcher_included(tmp_pat
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_smddprun_over_mpirun_listens_on_loopback_only(tmp_path, ranks):
     # --launcher mpirun: the ranks and smddprun; Open MPI 5's daemon listens on every interface
-    # (docs/security.md says why no option narrows it).
+    # (docs/security.md says why no option narrows it). Local mode starts its jobs this way.
     if MPIRUN is None:
         pytest.skip("mpirun not installed")
     job = Held([*SMDDPRUN, "--launcher", "mpirun", "-np", str(ranks)], ranks, tmp_path)
@@ -164,11 +165,46 @@ def test_smddprun_over_mpirun_listens_on_loopback_only(tmp_path, ranks):
 
 
 @pytest.mark.mpi
-def test_plain_mpirun_with_the_documented_options_listens_on_loopback_only(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_plain_mpirun_on_one_host_listens_on_loopback_only(tmp_path, ranks):
+    # No option at all: smddp initializes MPI in the ranks, with shared memory only (smddp/_mca.py).
     if MPIRUN is None:
         pytest.skip("mpirun not installed")
-    job = Held([MPIRUN, "-np", "2", "--oversubscribe", "--mca", "btl", "self,sm", sys.executable], 2, tmp_path)
-    assert_loopback_only(job, 2, not_ours={"prterun", "mpirun"})
+    job = Held([MPIRUN, "-np", str(ranks), "--oversubscribe", sys.executable], ranks, tmp_path)
+    assert_loopback_only(job, ranks, not_ours={"prterun", "mpirun"})
+
+
+@pytest.mark.mpi
+def test_the_users_own_btl_wins_under_plain_mpirun(tmp_path):
+    # The user asked for TCP: the ranks listen where Open MPI's TCP transport does, beyond loopback.
+    if MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    job = Held([MPIRUN, "-np", "2", "--oversubscribe", "--mca", "btl", "self,tcp", sys.executable], 2, tmp_path)
+    found = listeners_of(job.rank_pids())
+    out, err = job.finish()
+    assert job.proc.returncode == 0, out + err
+    check_reduced(out, 2)
+    assert sorted(exposed(found)) == job.rank_pids(), found
+
+
+def test_mca_defaults_only_for_an_open_mpi_rank_on_one_host_without_a_btl_of_its_own(tmp_path):
+    one_host = {"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_VERSION": "5.0.11",
+                "OMPI_MCA_mca_base_param_files": str(tmp_path / "none.conf"), "HOME": str(tmp_path)}
+    cases = [
+        ({}, "self,sm"),
+        ({"OMPI_VERSION": "4.1.6"}, "self,vader"),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, None),  # the job spans hosts
+        ({"OMPI_MCA_btl": "self,tcp"}, "self,tcp"),  # the user's --mca btl or environment
+        ({"OMPI_MCA_mca_base_param_files": str(tmp_path / "btl.conf")}, None),  # the user's parameter file
+    ]
+    (tmp_path / "btl.conf").write_text("# mine\nbtl = self,tcp\n")
+    for change, expected in cases:
+        env = {**one_host, **change}
+        _mca.one_host_defaults(env)
+        assert env.get("OMPI_MCA_btl") == expected, change
+    env = {"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}  # MPICH: not Open MPI's settings
+    _mca.one_host_defaults(env)
+    assert "OMPI_MCA_btl" not in env
 
 
 def test_torchrun_ranks_listen_on_loopback_only(tmp_path):

@@ -1,6 +1,8 @@
 """The real libraries SageMaker scripts use, on smddp's world under ``smddprun -np 2``.
 
-Hugging Face's Trainer, accelerate's SageMaker switch, Lightning (AWS's ``LightningEnvironment``
+Hugging Face's Trainer and accelerate (with SageMaker's data-parallel switch and no init in the
+script, under smddprun and in local mode, or with smddp initialized first), each trained to the
+parameters torch's gloo gives under torchrun; Lightning (AWS's ``LightningEnvironment``
 pattern and Lightning's ``MPIEnvironment``), AWS's training toolkit in local mode and the
 ``env://`` init of AWS's examples. The libraries come from ``pip install 'smddp[integrations]'``
 (part of ``[dev]``); a test skips, naming the package, only where its library is missing.
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers import rank_lines, run
+from launchers import rank_lines, run, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -41,31 +43,117 @@ def assert_trained_in_step(reports: dict) -> None:
     assert reports[0]["final"] != reports[0]["initial"], "training changed nothing"
 
 
-def test_hf_trainer_on_smddp_world():
+# What SageMaker's toolkit exports for distribution={"smdistributed": {"dataparallel": {"enabled": True}}},
+# and what accelerate's SageMaker launcher adds to the job's environment.
+SWITCH = {"SM_FRAMEWORK_PARAMS": json.dumps({
+    "sagemaker_distributed_dataparallel_enabled": True, "sagemaker_instance_type": "ml.p4d.24xlarge",
+    "sagemaker_distributed_dataparallel_custom_mpi_options": ""})}
+ACCELERATE_SWITCH = {"ACCELERATE_USE_SAGEMAKER": "true", "ACCELERATE_SAGEMAKER_DISTRIBUTED_TYPE": "DATA_PARALLEL"}
+#: script: (its report's prefix, what its switch needs beyond SM_FRAMEWORK_PARAMS)
+HF_SCRIPTS = {"hf_trainer.py": ("HF_TRAINER", {}), "accelerate_sagemaker.py": ("ACCELERATE", ACCELERATE_SWITCH)}
+
+
+def needs_hugging_face() -> None:
     pytest.importorskip("transformers", reason="pip install 'smddp[integrations]'")
     pytest.importorskip("accelerate", reason="pip install 'smddp[integrations]'")
-    reports = smddprun("hf_trainer.py", prefix="HF_TRAINER")
+
+
+@pytest.fixture(scope="module")
+def gloo_digests():
+    """``script -> (initial, final)`` parameter digests of the script trained on torch's gloo (torchrun)."""
+    found = {}
+
+    def digests(script: str) -> tuple:
+        if script not in found:
+            prefix = HF_SCRIPTS[script][0]
+            result = torchrun(2, [str(SCRIPTS / script)], timeout=240, env={"ACCELERATE_USE_CPU": "true"}).check()
+            reports = {rank: json.loads(body) for rank, body in rank_lines(result.stdout, prefix).items()}
+            assert sorted(reports) == [0, 1] and {r["backend"] for r in reports.values()} == {"gloo"}, result.output
+            assert_trained_in_step(reports)
+            found[script] = (reports[0]["initial"], reports[0]["final"])
+        return found[script]
+
+    return digests
+
+
+def assert_trained_as_gloo(reports: dict, reference: tuple) -> None:
+    """Every rank trained on smddp's world of 2, on CPU, to the parameters torch's gloo gives."""
+    assert sorted(reports) == [0, 1], reports
     for report in reports.values():
-        assert (report["world"], report["backend"]) == (2, "smddp")
-        assert report["wrapped"] == "DistributedDataParallel"
-    assert_trained_in_step(reports)
+        assert (report["world"], report["backend"]) == (2, "smddp"), report
+        assert report["wrapped"] == "DistributedDataParallel" and report["device"].startswith("cpu"), report
+        assert (report["initial"], report["final"]) == reference, (reports, reference)
 
 
-def test_accelerate_sagemaker_switch_initializes_smddp():
-    pytest.importorskip("transformers", reason="pip install 'smddp[integrations]'")
-    pytest.importorskip("accelerate", reason="pip install 'smddp[integrations]'")
-    # What SageMaker's toolkit exports for distribution={"smdistributed": {"dataparallel": {"enabled": True}}}.
-    framework = {"sagemaker_distributed_dataparallel_enabled": True, "sagemaker_instance_type": "ml.p4d.24xlarge",
-                 "sagemaker_distributed_dataparallel_custom_mpi_options": ""}
-    reports = smddprun("accelerate_sagemaker.py", env={"SM_FRAMEWORK_PARAMS": json.dumps(framework)},
-                       prefix="ACCELERATE")
-    for rank, report in reports.items():
-        assert report["sagemaker_dp"] is True
-        assert report["initialized"] and (report["backend"], report["world"]) == ("smddp", 2)
-        assert report["env_rank"] == rank and report["sum"] == 3.0
-        # The only failure: accelerate's set_device takes the local rank modulo the CUDA device count (0 here).
-        assert report["error"] == "ZeroDivisionError: integer modulo by zero", report
-        assert report["where"].endswith(("accelerate/state.py:set_device", "accelerate\\state.py:set_device"))
+@pytest.mark.parametrize("script", sorted(HF_SCRIPTS))
+def test_sagemaker_switch_trains_hugging_face_on_cpu_under_smddprun(script, gloo_digests):
+    """No init in the script: SageMaker's switch has transformers/accelerate start smddp's group."""
+    needs_hugging_face()
+    prefix, extra = HF_SCRIPTS[script]
+    reports = smddprun(script, env={**SWITCH, **extra}, prefix=prefix)
+    assert_trained_as_gloo(reports, gloo_digests(script))
+
+
+@pytest.mark.parametrize("script", sorted(HF_SCRIPTS))
+def test_init_smddp_first_then_hugging_face_on_cpu(script, gloo_digests):
+    """No switch: the script starts smddp's group itself, then asks transformers/accelerate for the CPU."""
+    needs_hugging_face()
+    reports = smddprun(script, "--init-first", prefix=HF_SCRIPTS[script][0])
+    assert_trained_as_gloo(reports, gloo_digests(script))
+    if script == "accelerate_sagemaker.py":
+        for report in reports.values():
+            assert report["refused"] == "Your assigned backend smddp is not available, please use gloo"
+
+
+@pytest.mark.parametrize("script", sorted(HF_SCRIPTS))
+def test_sagemaker_switch_trains_hugging_face_on_cpu_in_local_mode(script, gloo_digests, tmp_path):
+    """The same scripts, unchanged, as a local-mode job of smddp.sagemaker with the smdistributed switch."""
+    needs_hugging_face()
+    from smddp.sagemaker import PyTorch
+
+    prefix, extra = HF_SCRIPTS[script]
+    est = PyTorch(entry_point=script, source_dir=str(SCRIPTS), instance_type="local", instance_count=1,
+                  environment=extra, max_run=240, output_path=str(tmp_path / "out"),
+                  distribution={"smdistributed": {"dataparallel": {"enabled": True, "processes_per_host": 2}}})
+    job = est.fit(logs=False)
+    name = prefix.lower()
+    with tarfile.open(Path(job.model_data).with_name("output.tar.gz")) as tar:
+        reports = {int(m.name[len(name) + 1:-5]): json.load(tar.extractfile(m)) for m in tar.getmembers()
+                   if m.name.startswith(f"{name}-")}
+    assert_trained_as_gloo(reports, gloo_digests(script))
+
+
+SWITCH_CHECK = """\
+import json, os, sys
+import torch, torch.distributed as dist
+from smddp import _sagemaker_switch
+os.environ.update(json.loads(sys.argv[1]))
+report = {"applied": _sagemaker_switch.apply(), "device": os.environ.get("ACCELERATE_TORCH_DEVICE")}
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for ids in ([1], [0]):
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), device_ids=ids)
+        report[str(ids)] = "accepted"
+    except ValueError as exc:
+        report[str(ids)] = str(exc).split(" arguments")[0]
+dist.destroy_process_group()
+print("SWITCH", json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("case", ["switch", "switch, ACCELERATE_TORCH_DEVICE set", "no switch"])
+def test_what_the_switch_changes_on_cpu(case):
+    """Only this rank's local rank is taken as no device_ids; a device the user named is kept."""
+    env = {"LOCAL_RANK": "1", "SMDATAPARALLEL_LOCAL_RANK": "1", **(SWITCH if "no" not in case else {})}
+    if "set" in case:
+        env["ACCELERATE_TORCH_DEVICE"] = "cpu:0"
+    result = run([sys.executable, "-c", SWITCH_CHECK, json.dumps(env)], timeout=120).check()
+    report = json.loads(result.stdout.split("SWITCH ", 1)[1])
+    refused = "DistributedDataParallel device_ids and output_device"  # torch's own error
+    expected = {"switch": (True, "cpu", "accepted"), "switch, ACCELERATE_TORCH_DEVICE set": (True, "cpu:0", "accepted"),
+                "no switch": (False, None, refused)}[case]
+    assert (report["applied"], report["device"], report["[1]"]) == expected, report
+    assert report["[0]"] == refused, report
 
 
 def test_deepspeed_comm_on_smddp_world():

@@ -130,7 +130,18 @@ def test_dry_run_shows_the_openmpi_command(tmp_path):
     for name in ("FOO", "NCCL_DEBUG", "SMDDP_X", "PYTHONPATH", "OMP_NUM_THREADS"):
         assert f"-x {name} " in cmd, name
     assert cmd.endswith(f"--bind-to none {sys.executable} -m smddp._bootstrap missing_train.py --epochs 1"), cmd
+    assert re.search(r" --mca btl self,(sm|vader) ", cmd), cmd  # one host: shared memory only
     assert "Traceback" not in result.stderr  # nothing ran
+
+
+@pytest.mark.parametrize("users", ["--mpi-args", "OMPI_MCA_btl"])
+def test_dry_run_keeps_the_users_own_btl(users):
+    if MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    args, env = (["--mpi-args", "--mca btl self,tcp"], {}) if users == "--mpi-args" else ([], {users: "self,tcp"})
+    result = run([*PY_LAUNCH, "--launcher", "mpirun", "-np", "2", "--dry-run", *args, "train.py"],
+                 timeout=30, env={"SMDDP_MPIRUN": MPIRUN, **env}).check()
+    assert re.findall(r"--mca btl (\S+)", result.stdout) == (["self,tcp"] if args else []), result.stdout
 
 
 def test_dry_run_speaks_mpich_to_hydra(tmp_path):

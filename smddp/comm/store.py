@@ -22,7 +22,7 @@ from typing import Any, Dict, Tuple
 
 import torch.distributed as tdist
 
-from smddp import _runtime, _sockets
+from smddp import _mca, _runtime, _sockets
 from smddp._topology import Topology
 from smddp._wire import bcast_json
 from smddp.comm.needs import MPI_INSTALL
@@ -89,6 +89,7 @@ def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
 
 
 def _store_over_mpi(topology: Topology, timeout: timedelta):
+    _mca.one_host_defaults()
     try:
         from mpi4py import MPI
     except ImportError as exc:

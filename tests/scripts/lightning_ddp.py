@@ -12,7 +12,6 @@ prints its CPU plane and ``LIGHTNING <rank> <json>`` with digests of its paramet
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import tempfile
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy
+from param_digest import digest
 
 from smddp.torch import groups
 
@@ -33,14 +33,6 @@ except ImportError:  # --env launcher: Lightning re-runs this script as plain py
 parser = argparse.ArgumentParser()
 parser.add_argument("--env", choices=("aws", "mpi", "launcher"), required=True)
 which = parser.parse_args().env
-
-
-def digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class Points(torch.utils.data.Dataset):

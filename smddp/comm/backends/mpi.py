@@ -22,11 +22,12 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from smddp import _excepthook, knobs
+from smddp import _excepthook, _mca, knobs
 from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
 from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
+_mca.one_host_defaults()
 try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - exercised where mpi4py is absent

@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 from typing import Optional, Tuple, Union
 
+from smddp import _mca
 from smddp._topology import Topology
 from smddp._wire import bcast_bytes
 from smddp.errors import BackendUnavailableError, CollectiveError
@@ -71,6 +72,7 @@ def share_unique_id(nccl, topology: Topology, store=None, mpi_comm=None, key: Op
         _wait(store, key, deadline)
         return decode(store.get(key), f"store key {key!r}")
     if mpi_comm is None and topology.mpi and _mpi4py_installed():
+        _mca.one_host_defaults()
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD
