@@ -320,7 +320,6 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     """
     import smddp.comm.backends.nccl as nccl_module
     import smddp.comm.backends.nccl_uid as uid_module
-    import smddp.comm.engine.stall as stall_module
 
     fake = HostNccl()
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
@@ -349,7 +348,6 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     monkeypatch.setattr(nccl_module, "pick_device", lambda ctx, kind: torch.device("cpu"))
     # Each thread is a process here: per-process counts become per-thread.
     monkeypatch.setattr(uid_module, "_generation", PerThreadCount())
-    monkeypatch.setattr(stall_module, "_engines", PerThreadCount())
     fake.current, fake.runtime = current, runtime
     return fake
 
