@@ -71,24 +71,29 @@ _worlds_begun = 0
 def world_namespace(env: Mapping[str, str] = os.environ) -> str:
     """A key prefix that no earlier world sharing a store used; each call gives a new one.
 
-    It names the torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``: a restarted attempt
-    never reads the keys a failed one left in the agent's store) and how many times this
-    process has called it. That count is kept by each process, and it agrees across ranks
-    only because it is called where a world begins (a rendezvous, the world group's
-    creation), which every rank reaches the same number of times in the same order:
-    ``init_process_group`` is collective. Never call it per subgroup or per engine: ranks
-    make different numbers of those.
+    It names the torchrun restart attempt where the store is the one torchrun's agent keeps
+    for every attempt (``TORCHELASTIC_USE_AGENT_STORE``; ``TORCHELASTIC_RESTART_COUNT``): a
+    restarted attempt never reads the keys a failed one left. Only there: across nodes the
+    count is each node's own (a node restarted for a membership change keeps it,
+    pytorch/pytorch#108158), and a store made per attempt needs no such key. The prefix also
+    names how many times this process has called this function. That count is kept by each
+    process, and it agrees across ranks only because it is called where a world begins (a
+    rendezvous, the world group's creation), which every rank reaches the same number of
+    times in the same order: ``init_process_group`` is collective. Never call it per
+    subgroup or per engine: ranks make different numbers of those.
 
     Args:
-        env: the environment (torchrun's restart count).
+        env: the environment (torchrun's).
 
     Returns:
-        ``"smddp/<attempt>.<count>/"``.
+        ``"smddp/<attempt>.<count>/"`` (attempt 0 where the store is not torchrun's agent's).
     """
     global _worlds_begun
     _worlds_begun += 1
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "")
-    return f"smddp/{attempt if attempt.isdigit() else 0}.{_worlds_begun}/"
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or not attempt.isdigit():
+        attempt = "0"
+    return f"smddp/{attempt}.{_worlds_begun}/"
 
 
 def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
