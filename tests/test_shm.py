@@ -146,6 +146,19 @@ def test_kill_9_leaves_nothing_behind():
     assert ours() <= before, ours() - before
 
 
+def test_segment_names_smddp_makes_and_refuses(monkeypatch):
+    from smddp.comm.backends import shm_segment
+
+    for bad in ("/dev/shm/smddp-shm-x", "smddp-shm-../etc", "smddp-shm-a/b", "smddp-shm-", "smddp-shm-a.b",
+                "other-x", "smddp-shm-" + "x" * 201, "smddp-shm-\u00e9", "smddp-shm-x\n", None):
+        assert not shm_segment.valid_name(bad), bad
+    # Whatever the host, job and group are called, the name smddp makes is one it accepts.
+    monkeypatch.setattr(shm_segment.socket, "gethostname", lambda: "ip-10-0-0-1.ec2..internal/../x")
+    monkeypatch.setenv("SLURM_JOB_ID", "12/../34")
+    name = shm_segment._new_name("my group/../x" * 5)
+    assert shm_segment.valid_name(name) and name.endswith(f"-n{pid_namespace()}-p{os.getpid()}"), name
+
+
 def test_sweep_removes_only_segments_of_dead_processes_in_its_pid_namespace(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
