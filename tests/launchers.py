@@ -135,10 +135,11 @@ def mpirun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Map
     return run(cmd, timeout, env)
 
 
-def torchrun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None) -> Result:
-    """``torchrun --nproc-per-node N ARGS`` on loopback with a free port."""
+def torchrun(np: int, args: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str]] = None,
+             torchrun_args: Sequence[str] = ()) -> Result:
+    """``torchrun --nproc-per-node N [TORCHRUN_ARGS] ARGS`` on loopback with a free port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_args]
     # torchrun starts workers with ``python -u`` on its own stdout: a line's text and its newline
     # are two writes that another rank's line can fall between. With --tee the agent copies each
     # worker's output line by line, tagged "[default<rank>]:", as mpirun --tag-output does.

@@ -357,7 +357,6 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
     """
     import smddp.comm.backends.nccl as nccl_module
-    import smddp.comm.engine.stall as stall_module
 
     fake = HostNccl()
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
@@ -416,27 +415,6 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     # raising=False: the same stand-in also runs the tests against smddp before it had these
     monkeypatch.setattr(nccl_module, "cuda_index", lambda device: thread.chosen, raising=False)
     monkeypatch.setattr(HostEvent, "fake", fake)
-    # Each thread is a process here: per-process counts become per-thread.
-    monkeypatch.setattr(stall_module, "_engines", PerThreadCount())
-    monkeypatch.setattr(sys.modules["smddp.comm.backends.nccl_uid"], "_generation", PerThreadCount(), raising=False)
     fake.current, fake.runtime = current, runtime
     return fake
 
-
-class PerThreadCount:
-    """``itertools.count()`` per rank: the per-process count of a rank that is a thread.
-
-    Keyed by the thread's name (``rank-<r>`` in tests/nccl_ranks.py), so a rank's count goes on
-    across the worlds a test makes one after the other, as a process's would.
-    """
-
-    def __init__(self):
-        self.values: Dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    def __next__(self) -> int:
-        with self.lock:
-            name = threading.current_thread().name
-            value = self.values.get(name, 0)
-            self.values[name] = value + 1
-            return value

@@ -9,6 +9,7 @@ proves "no hang", and the assertions check what ended each rank and what the err
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from smddp.torch._work import detached_works
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
 SCRIPT = "tests/scripts/fault_job.py"
+RESTART = "tests/scripts/restart_job.py"
 TIMEOUT_S = 5  # the collective timeout the stall tests run with
 
 
@@ -38,6 +40,39 @@ def report(fault: str, seconds: float, extra: str = "") -> None:
 
 def lines(output: str, word: str) -> Dict[int, str]:
     return rank_lines(output, word)
+
+
+# ---------------------------------------------------------------------------- torchrun restarts
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_torchrun_restart_runs_right_on_the_store_the_failed_attempt_left(how):
+    """Issue 33 item 9: ``torchrun --max-restarts 1`` keeps one store for both attempts.
+
+    Rank 1 raises (or is SIGKILLed) in attempt 0 after the plane, a subgroup and collectives
+    have put their keys in the store. The restarted attempt must not read them: every rank is
+    on the shared-memory plane again, its all-reduces are exact and DDP trains like the replica.
+    """
+    result = torchrun(2, [RESTART, how], timeout=240, env={"SMDDP_TIMEOUT": "60"},
+                      torchrun_args=["--max-restarts", "1"])
+    assert result.returncode == 0, result.output
+    planes = {(int(r), int(rest.split()[0])): rest.split()[1]
+              for r, rest in _all(result.stdout, "ATTEMPT")}
+    assert planes == {(r, a): "shm" for r in (0, 1) for a in (0, 1)}, result.output
+    assert sorted(_all(result.stdout, "EXACT")) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], result.output
+    trained = dict(_all(result.stdout, "TRAINED"))
+    assert trained.keys() == {"0", "1"} and len(set(trained.values())) == 1, result.output
+    assert all(rest.startswith("1 ") for rest in trained.values()), result.output  # in the restarted attempt
+    assert "UNREACHABLE" not in result.stdout, result.output
+
+
+def _all(output: str, word: str) -> List[tuple]:
+    """Every ``WORD <rank> <rest>`` line (a rank may print one per attempt), torchrun's tags removed."""
+    found = []
+    for line in output.splitlines():
+        for piece in re.split(r"\[default\d+\]:", line):  # another rank's line may start inside this one
+            parts = piece.split(None, 2)
+            if len(parts) >= 2 and parts[0] == word:
+                found.append((parts[1], parts[2] if len(parts) > 2 else ""))
+    return found
 
 
 # ---------------------------------------------------------------------------- a rank dies

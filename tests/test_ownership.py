@@ -92,3 +92,20 @@ def test_collective_done_as_it_starts_needs_no_thread():
     assert "DONE True True True True" in result.stdout, result.output
     assert "THREAD False 0" in result.stdout, result.output
     assert "VALUES [0.0, 1.0, 2.0, 3.0]" in result.stdout, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["error", "interrupt"])
+def test_a_failed_synchronous_collective_keeps_its_buffers(how):
+    """Issue 33 item 10: the ring's receive into its scratch is still posted when rank 0 fails.
+
+    The engine keeps the failed operation, so rank 1's part lands in live memory, intact; on
+    main, an interrupted one was dropped (its scratch freed under MPI: the process aborted).
+    """
+    result = mpirun(2, ["tests/scripts/failed_ring.py", how], timeout=120,
+                    env={"SMDDP_CPU_PLANE": "mpi", "SMDDP_TIMEOUT": "4"})
+    assert rank_lines(result.stdout, "INTERRUPTED" if how == "interrupt" else "FAILED").keys() == {0}, result.output
+    assert rank_lines(result.stdout, "KEPT") == {0: "65536"}, result.output
+    assert rank_lines(result.stdout, "TIMEOUT").keys() == {1}, result.output  # the peer is told, in time
+    for sign in ("DROPPED", "CORRUPT", "UNEXPECTED", "Process received signal", "Segmentation"):
+        assert sign not in result.output, result.output

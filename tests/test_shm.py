@@ -7,15 +7,18 @@ keeps a Python path as the fallback: both are run here, and must agree bit for b
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from smddp.comm.backends.shm_segment import pid_namespace, sweep_stale
 from smddp.comm.cpu import settings
 
-from launchers import SCRIPTS, mpirun, rank_lines
+from launchers import SCRIPTS, mpirun, rank_lines, untagged
 
 SCRIPT = str(SCRIPTS / "shm_checks.py")
 SHM = Path("/dev/shm")
@@ -133,7 +136,7 @@ def test_kill_9_leaves_nothing_behind():
     # A segment a crash during set-up left behind: its creator's pid no longer exists.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = SHM / f"smddp-shm-0-host-world-abcdef-p{dead.pid}"
+    stale = SHM / f"smddp-shm-0-host-world-abcdef-n{pid_namespace()}-p{dead.pid}"
     stale.write_bytes(b"\0" * 4096)
     before = ours() - {stale.name}
     result = mpirun(2, [SCRIPT, "kill", "shm"], timeout=120, env={"SMDDP_TIMEOUT": "60"})
@@ -143,16 +146,92 @@ def test_kill_9_leaves_nothing_behind():
     assert ours() <= before, ours() - before
 
 
-def test_sweep_removes_only_segments_of_dead_processes(tmp_path):
-    from smddp.comm.backends.shm_segment import sweep_stale
+def test_segment_names_smddp_makes_and_refuses(monkeypatch):
+    from smddp.comm.backends import shm_segment
 
+    for bad in ("/dev/shm/smddp-shm-x", "smddp-shm-../etc", "smddp-shm-a/b", "smddp-shm-", "smddp-shm-a.b",
+                "other-x", "smddp-shm-" + "x" * 201, "smddp-shm-\u00e9", "smddp-shm-x\n", None):
+        assert not shm_segment.valid_name(bad), bad
+    # Whatever the host, job and group are called, the name smddp makes is one it accepts.
+    monkeypatch.setattr(shm_segment.socket, "gethostname", lambda: "ip-10-0-0-1.ec2..internal/../x")
+    monkeypatch.setenv("SLURM_JOB_ID", "12/../34")
+    name = shm_segment._new_name("my group/../x" * 5)
+    assert shm_segment.valid_name(name) and name.endswith(f"-n{pid_namespace()}-p{os.getpid()}"), name
+
+
+def test_sweep_removes_only_segments_of_dead_processes_in_its_pid_namespace(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / f"smddp-shm-1-h-world-aaaaaa-p{dead.pid}").write_bytes(b"")
-    (tmp_path / f"smddp-shm-1-h-world-bbbbbb-p{os.getpid()}").write_bytes(b"")
-    (tmp_path / "other-file").write_bytes(b"")
-    assert sweep_stale(str(tmp_path)) == [f"smddp-shm-1-h-world-aaaaaa-p{dead.pid}"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-file", f"smddp-shm-1-h-world-bbbbbb-p{os.getpid()}"]
+    here = pid_namespace()
+    gone = f"smddp-shm-1-h-world-aaaaaa-n{here}-p{dead.pid}"
+    kept = [
+        f"smddp-shm-1-h-world-bbbbbb-n{here}-p{os.getpid()}",  # alive
+        # A container's job that shares this /dev/shm: its pid means nothing in this namespace.
+        f"smddp-shm-1-h-world-cccccc-n{int(here) + 1}-p{dead.pid}",
+        f"smddp-shm-1-h-world-dddddd-p{dead.pid}",  # no namespace: not judged
+        "other-file",
+    ]
+    for name in [gone, *kept]:
+        (tmp_path / name).write_bytes(b"")
+    assert sweep_stale(str(tmp_path)) == [gone]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+SETUP = str(SCRIPTS / "segment_setup.py")
+
+
+def test_planted_segment_names_are_refused_and_touch_nothing(tmp_path):
+    """Issue 33 item 3: the name read from the store is validated, opened without following links.
+
+    Rank 0 creates its segment; the others read a planted name (absolute, ../, a link in the
+    shared-memory directory, a name with no file): every rank refuses with the reason, the victim
+    file outside the directory is untouched, rank 0 removes its own segment, and a clean init
+    after them runs on the plane, exact.
+    """
+    shm_dir = Path(tempfile.mkdtemp(prefix="smddp-test-segments-", dir=SHM if SHM.is_dir() else None))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (shm_dir / "smddp-shm-planted-link").symlink_to(victim)
+    try:
+        result = mpirun(2, [SETUP, "plant", str(victim)], timeout=180, env={"SMDDP_SHM_DIR": str(shm_dir)})
+        assert result.returncode == 0, result.output
+        refused = {}
+        for line in result.stdout.splitlines():
+            parts = untagged(line).split(None, 3)
+            if parts and parts[0] == "REFUSED":
+                refused[(int(parts[1]), parts[2])] = parts[3]
+        why = {"absolute": "is not one smddp makes", "dotdot": "is not one smddp makes",
+               "link": "is a symbolic link", "missing": "is missing from"}
+        for rank in (0, 1):  # every rank refuses, with local rank 1's reason
+            for kind, words in why.items():
+                assert words in refused.get((rank, kind), ""), result.output
+        assert rank_lines(result.stdout, "EXACT") == {0: "shm", 1: "shm"}, result.output
+        assert victim.read_text() == "precious"
+        assert sorted(p.name for p in shm_dir.iterdir()) == ["smddp-shm-planted-link"]  # nothing of smddp's
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_a_rank_lost_during_set_up_leaves_no_segment(mode):
+    """Issue 33 item 6: rank 1 dies (kill -9) or stalls between reading the name and mapping it.
+
+    kill: mpirun ends rank 0 with SIGTERM as it waits; stall: rank 0's wait times out. Either
+    way rank 0, which created the segment, removes it, and the directory is empty afterwards.
+    """
+    shm_dir = Path(tempfile.mkdtemp(prefix="smddp-test-segments-", dir=SHM if SHM.is_dir() else None))
+    try:
+        env = {"SMDDP_SHM_DIR": str(shm_dir), "SMDDP_TIMEOUT": "3"}
+        result = mpirun(2, [SETUP, mode], timeout=120, env=env)
+        if mode == "kill":
+            assert result.returncode != 0 and "INITIALIZED" not in result.stdout, result.output
+        else:
+            assert result.returncode == 0, result.output
+            assert "to map its segment (removed now)" in rank_lines(result.stdout, "WAITED").get(0, ""), result.output
+            assert "is missing from" in rank_lines(result.stdout, "MISSING").get(1, ""), result.output
+        assert list(shm_dir.iterdir()) == [], result.output
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_slot_below_the_minimum_falls_back_to_mpi_with_one_warning():

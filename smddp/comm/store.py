@@ -6,8 +6,14 @@
 - Anything else (smddprun, Slurm, SageMaker hosts, explicit ranks): a ``TCPStore`` at
   ``MASTER_ADDR:MASTER_PORT`` (torchrun's own store is reached through torch's ``env://``).
   That port is fixed for the job, so the store is made once per process and each later
-  ``init_process_group`` (after a destroy) uses it under a fresh key prefix: a second server
-  on the same port would fail, and old keys must not be read as new ones.
+  ``init_process_group`` (after a destroy) uses it under a fresh key prefix
+  (:func:`world_namespace`): a second server on the same port would fail, and old keys must
+  not be read as new ones.
+
+A store can outlive a world: a destroy and a new ``init_process_group`` in one process, or
+torchrun's agent store, which every restart attempt shares (torch's own ``env://`` no longer
+prefixes attempts, pytorch/pytorch#135712). :func:`world_namespace` is the key prefix that
+makes one world's keys its own in such a store.
 
 The store has no authentication, so rank 0 listens only where it must (:mod:`smddp._sockets`):
 on loopback when the job is on one host, on ``SMDDP_SOCKET_IFNAME``'s address when set, and on
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import torch.distributed as tdist
 
@@ -45,18 +51,49 @@ def make_store(topology: Topology, timeout: timedelta):
             f"set MASTER_ADDR and MASTER_PORT, or launch with mpirun/smddprun"
         )
     key = (topology.master_addr, topology.master_port, topology.size, topology.rank)
-    store, generation = _job_stores.get(key, (None, -1))
+    store = _job_stores.get(key)
     if store is None and topology.rank == 0:
         store = server_store(topology.master_addr, topology.master_port, topology, timeout)
     elif store is None:
         store = tdist.TCPStore(topology.master_addr, topology.master_port, topology.size, False, timeout)
-    generation += 1  # every rank initializes the same number of times: the prefixes agree
-    _job_stores[key] = (store, generation)
-    return tdist.PrefixStore(f"smddp-init-{generation}/", store) if generation else store
+    _job_stores[key] = store
+    # Any backend's keys (torch's gloo too, which this rendezvous also serves) are this world's.
+    return tdist.PrefixStore(world_namespace(), store)
 
 
-#: The job's store at its fixed address, and how many times it was handed out, per address.
-_job_stores: Dict[Tuple[Any, ...], Tuple[Any, int]] = {}
+#: The job's store at its fixed address, per address: made once per process.
+_job_stores: Dict[Tuple[Any, ...], Any] = {}
+
+#: Worlds this process has begun (:func:`world_namespace`).
+_worlds_begun = 0
+
+
+def world_namespace(env: Mapping[str, str] = os.environ) -> str:
+    """A key prefix that no earlier world sharing a store used; each call gives a new one.
+
+    It names the torchrun restart attempt where the store is the one torchrun's agent keeps
+    for every attempt (``TORCHELASTIC_USE_AGENT_STORE``; ``TORCHELASTIC_RESTART_COUNT``): a
+    restarted attempt never reads the keys a failed one left. Only there: across nodes the
+    count is each node's own (a node restarted for a membership change keeps it,
+    pytorch/pytorch#108158), and a store made per attempt needs no such key. The prefix also
+    names how many times this process has called this function. That count is kept by each
+    process, and it agrees across ranks only because it is called where a world begins (a
+    rendezvous, the world group's creation), which every rank reaches the same number of
+    times in the same order: ``init_process_group`` is collective. Never call it per
+    subgroup or per engine: ranks make different numbers of those.
+
+    Args:
+        env: the environment (torchrun's).
+
+    Returns:
+        ``"smddp/<attempt>.<count>/"`` (attempt 0 where the store is not torchrun's agent's).
+    """
+    global _worlds_begun
+    _worlds_begun += 1
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or not attempt.isdigit():
+        attempt = "0"
+    return f"smddp/{attempt}.{_worlds_begun}/"
 
 
 def server_store(host: str, port: int, topology: Topology, timeout: timedelta):

@@ -34,6 +34,7 @@ from smddp._topology import Topology, discover
 from smddp.comm import subgroups
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine
+from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
 from smddp.torch import _compat, _functional_backends, _init_methods, _labels
 from smddp.torch.process_group import BACKEND_NAME, SmddpProcessGroup
@@ -43,8 +44,8 @@ __all__ = ["current", "create", "destroy", "register", "request_backend", "resol
 _requested_backend: Optional[str] = None
 _world: Optional[SmddpProcessGroup] = None
 _world_topology: Optional[Topology] = None
-#: Worlds created in this process: each one's groups keep their store keys under its number.
-_worlds = 0
+#: The live world's key namespace (:func:`smddp.comm.store.world_namespace`): its subgroups' too.
+_world_keys = ""
 _lock = threading.Lock()
 _subgroups: List[SmddpProcessGroup] = []
 
@@ -110,15 +111,16 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         InvalidGroupError: a subgroup was asked for while the default group is not smddp's.
         BackendUnavailableError: no backend can serve the group (the error says what can).
     """
-    global _world, _world_topology, _worlds
+    global _world, _world_topology, _world_keys
     timeout = resolve_timeout(options.timeout)
     name = getattr(options, "group_id", "") or ""
     if not tdist.is_initialized():
-        _worlds += 1
-    # Keys of this world's groups only: a store that outlives a destroy (tcp://, file://, a
-    # caller's) still holds the last world's keys under torch's own prefixes, which repeat.
-    # Every rank initializes the same number of times, so the prefixes agree.
-    store = tdist.PrefixStore(f"smddp-world-{_worlds}/", options.store)
+        _world_keys = world_namespace()
+    # Every key a group writes is its own by construction: torch's store for the group is
+    # already under the group's own prefix (the world's, or the name torch gave the subgroup,
+    # the same on every member), and the world's namespace sets apart an earlier world that
+    # shared the store (a torchrun restart attempt, a destroy and a new init).
+    store = tdist.PrefixStore(_world_keys, options.store)
     device = _compat.requested_device_id()  # init_process_group's or new_group's device_id
     if tdist.is_initialized():
         topology, ranks = _subgroup_topology(options)

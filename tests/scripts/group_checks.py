@@ -292,7 +292,12 @@ def debug() -> None:
 
 
 def stall() -> None:
-    """In the group of global ranks 1 and 2, rank 2 never calls: rank 1's timeout names global ranks."""
+    """In the group of global ranks 1 and 2, rank 2 never calls: rank 1's timeout names global ranks.
+
+    Rank 1 made one group more than rank 2 before it (ranks 0 and 1): the ranks' counts of
+    groups differ, and rank 2 must still be found alive and not started, not "not answering".
+    """
+    tdist.new_group([0, 1])
     group = tdist.new_group([1, 2])
     if rank == 1:
         try:
@@ -302,7 +307,8 @@ def stall() -> None:
             text = str(exc)
             check("the timeout names the group, global ranks, and the rank that never arrived",
                   "on rank 1 (rank 0 of the 2 in process group" in text and "global ranks 1-2" in text
-                  and "never arrived: 2" in text, text)
+                  and "never arrived: 2" in text and "Rank 2 has not started any collective yet" in text
+                  and "did not answer" not in text, text)
     elif rank == 2:
         time.sleep(float(os.environ["SMDDP_TIMEOUT"]) + 5)  # answers rank 1's question meanwhile
 

@@ -123,6 +123,10 @@ class HostChannel:
         """Set ``key`` for this host's ranks."""
         self.store.set(self._prefix + key, value)
 
+    def published(self, key: str) -> bool:
+        """True once a host-mate has set ``key`` (does not wait)."""
+        return self.store.check([self._prefix + key])
+
     def read(self, key: str) -> str:
         """Wait for ``key`` (set by a host-mate) and return it.
 

@@ -15,7 +15,6 @@ the host, so ``test()`` calls it and returns True. oneCCL's Work is polled with
 
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Dict, Optional, Sequence
 
@@ -41,10 +40,6 @@ _REDUCE_OPS = {
     Op.MAX: tdist.ReduceOp.MAX,
     Op.PRODUCT: tdist.ReduceOp.PRODUCT,
 }
-
-# Same order on every rank: names each group's store prefix alike everywhere.
-_generation = itertools.count()
-
 
 class WorkPending(Pending):
     """A torch ``Work``, then an optional ``after()`` on this rank.
@@ -117,7 +112,8 @@ class TorchBackendCommunicator(Communicator):
                 if self.size > 1:
                     raise BackendUnavailableError(f"the {self.name!r} backend needs the job's store (MASTER_ADDR)")
                 store = tdist.HashStore()
-            prefixed = tdist.PrefixStore(f"smddp/{self.name}/{next(_generation)}", store)
+            # The group's store is the group's own: one communicator of this name per group.
+            prefixed = tdist.PrefixStore(f"smddp/{self.name}", store)
             backend = self._create(prefixed, ctx.timeout)
         else:
             self.device = device if device is not None else torch.device(self.device_type)

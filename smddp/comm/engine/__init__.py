@@ -88,8 +88,9 @@ class Engine(Health):
         # handles' state, and lets one thread at a time test Pendings.
         self._inflight: List[Handle] = []
         self._cv = threading.Condition()
-        # Pendings that failed or timed out while the library may still hold their buffers.
-        self._abandoned: List[Pending] = []
+        # Pendings that failed, timed out or were interrupted while the library may still hold
+        # their buffers (and errors of starts that failed part-way, whose frames hold them).
+        self._abandoned: List[object] = []
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
         #: The argument checks every collective makes before anything is sent.
@@ -156,6 +157,9 @@ class Engine(Health):
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+                # A start that failed part-way may have posted requests (a ring's receive into
+                # its scratch): the error's traceback holds the frames that hold their buffers.
+                self._abandoned.append(exc)
                 raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
             handle = None
             if self._inflight:
@@ -189,14 +193,18 @@ class Engine(Health):
         """
         try:
             if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
-                self._abandoned.append(pending)
                 raise self._stalled(seq, op_name)
-        except CollectiveError:
-            raise
-        except KeyboardInterrupt:
-            self._interrupted(seq, op_name)
-            raise
-        except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+        except BaseException as exc:
+            # Failed, timed out or interrupted: the library may still hold the addresses of its
+            # buffers (another request of the same stage), so they live as long as the engine.
+            # A mismatch is the exception: no data moved and the ranks are in step.
+            if not isinstance(exc, CollectiveMismatchError):
+                self._abandoned.append(pending)
+            if isinstance(exc, KeyboardInterrupt):
+                self._interrupted(seq, op_name)
+            if isinstance(exc, CollectiveError) or not isinstance(exc, Exception):
+                raise
+            # A library error becomes a CollectiveError.
             raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
         pending.waited()  # a stream-ordered operation orders the caller's stream
 

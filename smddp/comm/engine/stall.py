@@ -46,8 +46,6 @@ def _pause() -> None:
     time.sleep(_POLL)  # a store round trip costs far more than a collective's test
 
 
-_engines = itertools.count()
-
 def labelled(op_name: str, label: Optional[str]) -> str:
     """The name a collective goes by in errors and stall reports: ``all_reduce (<label>)``."""
     return f"{op_name} ({label})" if label else op_name
@@ -65,16 +63,19 @@ class StoreChannel:
     """Answers and asks "where are you?" over a torch ``Store`` shared by all ranks.
 
     Args:
-        store: the job's store (a ``TCPStore``, possibly wrapped in a ``PrefixStore``).
-        rank: this process's rank.
-        size: number of ranks.
+        store: the group's store: its keys are the group's own (torch's prefix for the group,
+            and the world's namespace), so the channel's keys need no number of their own.
+            A per-process count of channels would differ between ranks that made different
+            numbers of groups, and their questions would go unanswered.
+        rank: this process's rank in the group.
+        size: number of ranks in the group.
     """
 
     def __init__(self, store, rank: int, size: int):
         import torch.distributed as tdist
 
         self.rank, self.size = rank, size
-        self.store = tdist.PrefixStore(f"smddp/stall/{next(_engines)}", store)
+        self.store = tdist.PrefixStore("smddp/stall", store)
         # The responder blocks on its own connection: a blocking call on a shared one
         # would hold that connection's lock against every other user.
         self._conn = self.store.clone()
