@@ -1,8 +1,9 @@
 """All-reduces of 4 KB to 64 MB across two hosts built differently, checked on every rank.
 
-Usage: ``mixed_hosts.py v1|v2`` under mpirun, torchrun or smddprun, with the hosts and their
-builds made by ``FAKE_RANKS_PER_HOST`` and ``FAKE_ENV_<host>`` (see ``fake_hosts.py``): a host
-without the compiled core, other ``SMDDP_SHM_*`` sizes, another threshold.
+Usage: ``mixed_hosts.py v1|v2 [largest]`` under mpirun, torchrun or smddprun (``largest``: skip
+all-reduces above that many bytes), with the hosts and their builds made by
+``FAKE_RANKS_PER_HOST`` and ``FAKE_ENV_<host>`` (see ``fake_hosts.py``): a host without the
+compiled core, other ``SMDDP_SHM_*`` sizes, another threshold.
 
 Every rank builds every rank's inputs from its rank (integers, exact in float32 and int64 sums
 in any order), so it knows each result without communicating. Prints ``PLANE <rank> <plane>``,
@@ -49,7 +50,8 @@ def main() -> None:
     print(f"LAYOUT {rank} {agreed.slot} {agreed.chunk_bytes} {agreed.one_shot_max} "
           f"{agreed.hierarchical_min_bytes} {comm._shm.part_bytes}", flush=True)
     digest = hashlib.sha256()
-    cases = [(numel, torch.float32, dist.ReduceOp.SUM) for numel in SIZES]
+    largest = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 62
+    cases = [(numel, torch.float32, dist.ReduceOp.SUM) for numel in SIZES if numel * 4 <= largest]
     cases += [(70_000, torch.int64, dist.ReduceOp.SUM), (70_000, torch.float32, dist.ReduceOp.MAX),
               (300_000, torch.bfloat16, dist.ReduceOp.SUM)]
     for numel, dtype, op in cases:
