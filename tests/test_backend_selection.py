@@ -572,10 +572,17 @@ def test_with_cpu_companion_pairs_and_cleans_up():
     def broken(ctx):
         raise BackendUnavailableError("no gloo here")
 
+    # The CPU communicator comes first (its ranks agree on the layout, whose local rank picks
+    # the device): when it fails, no device communicator was made.
     ctx.cpu = broken
     with pytest.raises(BackendUnavailableError, match="no gloo here"):
         with_cpu_companion("cuda", make, ctx)
-    assert made[-1].closed == 1  # the device communicator does not leak
+    assert len(made) == 1
+    cpu = Recorder(ctx, "cpu-companion")
+    ctx.cpu = lambda c: cpu
+    with pytest.raises(BackendUnavailableError, match="no gloo here"):
+        with_cpu_companion("cuda", broken, ctx)
+    assert cpu.closed == 1  # the CPU communicator does not leak when the device one fails
     ctx.cpu = None
     with pytest.raises(BackendUnavailableError, match="needs a CPU communicator"):
         with_cpu_companion("cuda", make, ctx)

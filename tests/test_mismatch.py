@@ -2,14 +2,16 @@
 
 Each test runs ``tests/scripts/mismatch_job.py`` (every case of issue 25: dtype, element
 count, root, one operation against another, barrier against all_reduce, SUM against MAX, a
-1M-element count) under a real launcher, and checks every rank's report: each rank raised
+1M-element count; issue 33's all-to-all splits that do not pair up and all-reduces on either side
+of the hierarchical plane's 256 KB switch) under a real launcher, and checks every rank's report: each rank raised
 :class:`~smddp.errors.CollectiveMismatchError` with the same message, naming the odd rank and
 what differs, and a correct all-reduce right after gives every rank the right sum (the plane
 stays in step). The planes: shared memory (compiled core and Python path, ``mpirun -np 2`` and
 ``-np 3``, ``torchrun``), gloo pinned with ``SMDDP_CPU_PLANE=gloo``, where no rank may die
-of a signal, and the hierarchical plane over two "hosts" made with ``SMDDP_HOST_ID``, where the
-group is broken after a mismatch. A gather whose arguments only the root rejects is checked
-on shared memory and gloo.
+of a signal, MPI pinned (its all-to-all), and the hierarchical plane over MPI and over gloo,
+on two "hosts" made with ``SMDDP_HOST_ID`` and built differently, where all-reduces on either
+side of the 256 KB switch and unpaired all-to-all splits raise on every rank and the group goes
+on. A gather whose arguments only the root rejects is checked on shared memory and gloo.
 """
 
 from __future__ import annotations
@@ -38,9 +40,25 @@ EXPECTED = {
     "all_reduce_vs_broadcast": "broadcast(src=0, dtype=float32, numel=4)",
     "sum_vs_max": "(they differ in reduction op)",
     "count_1m": "numel=1048577",
+    "a2a_unpaired": "split sizes do not pair up",
+    "switch_rank": "(they differ in element count)",
+    "switch_host": "(they differ in element count)",
 }
+#: The cases every plane checks whatever it is: the hierarchical plane's all-reduces and all-to-all.
+ACROSS_HOSTS = ["count_1m", "a2a_unpaired", "switch_rank", "switch_host"]
 SHM = "on the shared-memory plane"
 GLOO = "on the gloo plane"
+MPI = "on the MPI plane"
+
+
+def odd_ranks(case: str, size: int) -> str:
+    """The ranks whose call differs from rank 0's, as the message names them."""
+    if case == "root" and size == 3:
+        return "1-2"
+    if case == "switch_host":
+        low = size // 2
+        return str(low) if low == size - 1 else f"{low}-{size - 1}"
+    return str(size - 1)
 
 
 def _lines(output: str) -> List[str]:
@@ -58,13 +76,16 @@ def reports(output: str, word: str) -> Dict[Tuple[str, int], str]:
     return found
 
 
-def check_every_case(result, size: int, plane: str) -> None:
-    """Every case raised CollectiveMismatchError on every rank, and the job went on correctly."""
+def check_every_case(result, size: int, plane: str, cases=tuple(EXPECTED), planes=None) -> None:
+    """Every case raised CollectiveMismatchError on every rank, and the job went on correctly.
+
+    ``planes``: the plane named by the message of a case checked elsewhere than ``plane``.
+    """
     raised, after = reports(result.output, "RAISED"), reports(result.output, "AFTER")
     ended = [line for line in _lines(result.stdout) if line.startswith("END ")]
     assert len(ended) == size, result.output
     total = float(sum(r + 1 for r in range(size)))  # each rank adds rank + 1
-    for case, expected in EXPECTED.items():
+    for case in cases:
         messages = {}
         for rank in range(size):
             line = raised.get((case, rank))
@@ -74,9 +95,11 @@ def check_every_case(result, size: int, plane: str) -> None:
             messages[rank] = message
         assert len(set(messages.values())) == 1, f"{case}: the ranks' messages differ: {messages}"
         message = messages[0]
-        assert expected in message and plane in message, (case, message)
-        odd = "1-2" if case == "root" and size == 3 else str(size - 1)
-        assert f"Ranks that differ from rank 0: {odd}." in message, (case, message)
+        assert EXPECTED[case] in message and (planes or {}).get(case, plane) in message, (case, message)
+        if case == "a2a_unpaired":
+            assert f"rank 0 sends 2 elements to rank {size - 1}, which expects 3." in message, message
+        else:
+            assert f"Ranks that differ from rank 0: {odd_ranks(case, size)}." in message, (case, message)
         for rank in range(size):
             assert after.get((case, rank)) == str([total] * 3), (case, rank, after.get((case, rank)))
 
@@ -92,7 +115,8 @@ def test_mismatches_raise_on_every_rank_shm(np, api):
 @pytest.mark.mpi
 def test_python_path_raises_the_same():
     result = mpirun(2, [SCRIPT, "v1"], timeout=180, env={**ENV, "SMDDP_SHM_NATIVE": "0"}).check()
-    check_every_case(result, 2, SHM)
+    # Without the compiled core, all-to-all goes through the flat communicator (MPI), which checks it.
+    check_every_case(result, 2, SHM, planes={"a2a_unpaired": MPI})
 
 
 def test_mismatches_raise_on_every_rank_torchrun():
@@ -152,22 +176,26 @@ def test_coalesced_call_reports_its_first_mismatch(plane, words):
 
 
 @pytest.mark.mpi
-def test_hierarchical_plane_mismatch_within_a_host_breaks_the_group():
-    # Two "hosts" of two ranks; rank 3's 1M-element all-reduce (the hierarchical path) is one
-    # element longer. Host 1's ranks compare fingerprints and raise; host 0's ranks agree with
-    # each other and wait in the exchange between hosts until the timeout. Every later
-    # collective of the group fails on every rank: nothing pairs wrongly.
-    # Four ranks share two cores: with 5 s this failed 2 times in 7 while other jobs ran beside it.
-    env = {"SMDDP_TIMEOUT": "10", "MISMATCH_RANKS_PER_HOST": "2"}
-    result = mpirun(4, [SCRIPT, "v1", "count_1m"], timeout=120, env=env)
-    raised, after = reports(result.output, "RAISED"), reports(result.output, "AFTER")
-    for rank in (2, 3):
-        line = raised.get(("count_1m", rank), "")
-        assert line.startswith("CollectiveMismatchError") and SHM in line, (rank, result.output)
-        assert ("rank 2: all_reduce(op=SUM, dtype=float32, numel=1048576) as sequence 1; "
-                "rank 3: all_reduce(op=SUM, dtype=float32, numel=1048577)") in line, line
-        assert after.get(("count_1m", rank), "").startswith(
-            "CollectiveError the hierarchical CPU plane cannot go on"), (rank, after)
-    for rank in (0, 1):
-        assert raised.get(("count_1m", rank), "").startswith("CollectiveTimeout"), (rank, result.output)
-        assert after.get(("count_1m", rank), "").startswith("CollectiveTimeout"), (rank, after)
+def test_flat_mpi_plane_checks_all_to_all_splits():
+    result = mpirun(2, [SCRIPT, "torch", "a2a_unpaired"], timeout=120, env={**ENV, "SMDDP_CPU_PLANE": "mpi"})
+    assert "MPI_ERR" not in result.output, result.output
+    check_every_case(result.check(), 2, MPI, cases=["a2a_unpaired"])
+
+
+# Two "hosts" of two ranks, built differently: host 1 without the compiled core, with other sizes and
+# another threshold (the group runs host 0's). Every case raises on every rank, before any step:
+# an all-reduce's fingerprint (its byte count, hence its path) travels in the flat communicator's
+# first exchange, on either side of the 256 KB switch, and so do an all-to-all's split sizes.
+HOSTS = {"FAKE_RANKS_PER_HOST": "2", "FAKE_ENV_host1": "SMDDP_SHM_NATIVE=0 SMDDP_SHM_CHUNK_BYTES=262144 "
+         "SMDDP_SHM_SLOT_BYTES=1048576 SMDDP_HIERARCHICAL_MIN_BYTES=65536 SMDDP_SHM_ONE_SHOT_MAX=1024"}
+
+
+@pytest.mark.mpi
+def test_hierarchical_plane_over_mpi_raises_on_every_rank_and_goes_on():
+    result = mpirun(4, [SCRIPT, "v1", *ACROSS_HOSTS], timeout=240, env={**ENV, **HOSTS}).check()
+    check_every_case(result, 4, MPI, cases=ACROSS_HOSTS)
+
+
+def test_hierarchical_plane_over_gloo_raises_on_every_rank_and_goes_on():
+    result = torchrun(4, [SCRIPT, "torch", *ACROSS_HOSTS], timeout=240, env={**ENV, **HOSTS}).check()
+    check_every_case(result, 4, GLOO, cases=ACROSS_HOSTS)

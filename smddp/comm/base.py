@@ -202,6 +202,8 @@ class Context:
     device: Optional[torch.device] = None
     #: Makes the group's CPU communicator next to a device backend's (set by the registry).
     cpu: Optional[Callable[[Context], Communicator]] = None
+    #: The group's agreed layout (:class:`smddp.comm.layout.Layout`), once its ranks have met.
+    layout: Optional[Any] = None
 
 
 class Communicator(abc.ABC):
@@ -237,6 +239,8 @@ class Communicator(abc.ABC):
     #: :mod:`smddp.comm.cpu` on CPU communicators; subgroups reuse the settings).
     plane_reason: str = ""
     plane_settings: Optional[Any] = None
+    #: The group's agreed layout (:class:`smddp.comm.layout.Layout`; None for a group of one).
+    layout: Optional[Any] = None
 
     #: Data moves only while a thread calls into the library (MPI, shared memory), not on
     #: threads or streams of its own (gloo, NCCL): see :meth:`Engine.finish

@@ -1,9 +1,10 @@
 """A group's CPU communicator: the fastest plane its layout allows, over MPI or gloo.
 
 The registry (:mod:`smddp.comm`) calls :func:`build` for every group's CPU tensors, whatever
-launched the job. The *flat* communicator is the backend's own (``mpi`` under an MPI launcher,
-``gloo`` otherwise, ``local`` for one rank). Then, through the group's store, the ranks find
-which of them share a host (:mod:`smddp.comm.backends.hostmates`) and this module composes:
+launched the job. First, through the group's store, the ranks agree on one layout
+(:func:`meet`, :mod:`smddp.comm.layout`): which of them share a host, what each host can run,
+and the settings every rank then uses. The *flat* communicator is the backend's own (``mpi``
+under an MPI launcher, ``gloo`` otherwise, ``local`` for one rank); over it this module composes:
 
 ============== ================================================== ===============================
 plane          when (automatic)                                    communicator
@@ -16,8 +17,10 @@ flat           one rank per host, uneven hosts, no usable /dev/shm the flat one 
 ``SMDDP_CPU_PLANE`` pins the choice (``auto``, ``shm``, ``hierarchical``, ``mpi``, ``gloo``): a
 pinned plane the job cannot have is an error, ``mpi`` and ``gloo`` name the flat communicator.
 The environment is read once, by :func:`settings`, when the world group is made; subgroups
-use the same settings. The chosen plane and the reason are the communicator's ``plane`` and
-``plane_reason``; ``SMDDP_DEBUG=1`` prints them on the group's rank 0.
+use the same settings. What a rank's settings propose, the group's layout decides: the pinned
+plane, the shared-memory sizes and the thresholds are the same on every rank. The chosen plane
+and the reason are the communicator's ``plane`` and ``plane_reason``; ``SMDDP_DEBUG=1`` prints
+them on the group's rank 0.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 import torch.distributed as tdist
 
 from smddp import knobs
+from smddp.comm import layout
 from smddp.comm.backends import hostmates
 from smddp.comm.base import Communicator, Context
 from smddp.errors import BackendUnavailableError
@@ -41,7 +46,8 @@ PLANES = ("auto", "shm", "hierarchical", "mpi", "gloo")
 
 @dataclass(frozen=True)
 class PlaneSettings:
-    """The environment's say on CPU planes, read once per world group.
+    """This rank's environment's say on CPU planes, read once per world group: what it proposes
+    to the group's agreed layout (:mod:`smddp.comm.layout`), which has the last word.
 
     Attributes:
         plane: ``SMDDP_CPU_PLANE`` (``auto`` when unset).
@@ -49,12 +55,18 @@ class PlaneSettings:
         hierarchical_min_bytes: ``SMDDP_HIERARCHICAL_MIN_BYTES``: smaller all-reduces stay
             flat on the hierarchical plane (the extra steps cost more than the bytes they save).
         debug: ``SMDDP_DEBUG`` is set: print the plane chosen and each collective's first plane.
+        slot: ``SMDDP_SHM_SLOT_BYTES``: bytes of each shared-memory buffer.
+        chunk_bytes: ``SMDDP_SHM_CHUNK_BYTES``: bytes per step of the compiled core's larger collectives.
+        one_shot_max: ``SMDDP_SHM_ONE_SHOT_MAX``: the compiled core's one-step all-reduce limit.
     """
 
     plane: str = "auto"
     native: bool = True
     hierarchical_min_bytes: int = 256 * 1024
     debug: bool = False
+    slot: int = 4 << 20
+    chunk_bytes: int = 1 << 20
+    one_shot_max: int = 32 << 10
 
 
 def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
@@ -62,6 +74,7 @@ def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
 
     Raises:
         BackendUnavailableError: ``SMDDP_CPU_PLANE`` is not one of :data:`PLANES`.
+        InvalidArgumentError: a byte count that does not parse (the error names the variable).
     """
     plane = knobs.value(ENV, env).lower()
     if plane not in PLANES:
@@ -71,13 +84,16 @@ def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
         native=knobs.value("SMDDP_SHM_NATIVE", env),
         hierarchical_min_bytes=knobs.value("SMDDP_HIERARCHICAL_MIN_BYTES", env),
         debug=knobs.value("SMDDP_DEBUG", env),
+        slot=knobs.value("SMDDP_SHM_SLOT_BYTES", env),
+        chunk_bytes=knobs.value("SMDDP_SHM_CHUNK_BYTES", env),
+        one_shot_max=knobs.value("SMDDP_SHM_ONE_SHOT_MAX", env),
     )
 
 
-def flat_backend(name: str, found: PlaneSettings) -> str:
-    """The flat backend for CPU tensors: ``name`` (``mpi``, ``gloo``, ``local``), unless the
-    settings pin ``gloo`` under MPI."""
-    return "gloo" if name == "mpi" and found.plane == "gloo" else name
+def flat_backend(name: str, plane: str) -> str:
+    """The flat backend for CPU tensors: ``name`` (``mpi``, ``gloo``, ``local``), unless ``plane``
+    (the group's ``SMDDP_CPU_PLANE``) pins ``gloo`` under MPI."""
+    return "gloo" if name == "mpi" and plane == "gloo" else name
 
 
 def flat_class(name: str):
@@ -97,6 +113,37 @@ def flat_class(name: str):
     raise BackendUnavailableError(f"{name!r} is not a CPU backend; use mpi, gloo or local")
 
 
+def meet(ctx: Context, found: PlaneSettings) -> Context:
+    """``ctx`` with the group's agreed layout (:mod:`smddp.comm.layout`), found through its store.
+
+    Called by every rank of the group, in the same order on each, before its communicators are
+    made (gloo binds its sockets by the layout). Where rank and size came as arguments (the
+    ``explicit`` launcher: Lightning's, ``mp.spawn``), the local rank, local size and host index
+    are the layout's too. A group of one, or one without a store, has no layout (``ctx.layout``
+    stays None).
+
+    Raises:
+        BackendUnavailableError: a rank published something that is not a layout proposal.
+    """
+    if ctx.topology.size == 1 or ctx.store is None:
+        return ctx
+    from smddp.comm.backends import shm
+    from smddp.comm.backends.shm_segment import supported
+
+    tuning = {"slot": found.slot, "chunk": found.chunk_bytes, "one_shot": found.one_shot_max,
+              "hier_min": found.hierarchical_min_bytes}
+    core = found.native and shm.native is not None
+    mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning)
+    agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine)
+    topology = ctx.topology
+    if topology.launcher == "explicit":
+        # Rank and size came as arguments: no launcher counted this host's ranks; the group did.
+        mates = agreed.mates
+        topology = dataclasses.replace(topology, local_rank=mates.local_rank, local_size=mates.local_size,
+                                       node_rank=mates.host)
+    return dataclasses.replace(ctx, layout=agreed, topology=topology)
+
+
 def build(name: str, ctx: Context, found: PlaneSettings, group: str = "world") -> Communicator:
     """The CPU communicator of a group: flat backend ``name``, composed with its best plane.
 
@@ -109,7 +156,9 @@ def build(name: str, ctx: Context, found: PlaneSettings, group: str = "world") -
     Raises:
         BackendUnavailableError: the backend cannot start, or a pinned plane cannot be had.
     """
-    flat = flat_class(flat_backend(name, found))(ctx)
+    ctx = meet(ctx, found)
+    plane = ctx.layout.plane if ctx.layout is not None else found.plane
+    flat = flat_class(flat_backend(name, plane))(ctx)
     try:
         return compose(flat, ctx, found, group)
     except BaseException:
@@ -121,48 +170,61 @@ def compose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str =
     """``flat`` itself, or a plane over it: see the module's table.
 
     Called by every rank of the group, in the same order on each (it meets the others
-    through ``ctx.store``). On failure ``flat`` is left open for the caller to close.
+    through ``ctx.store``), with ``ctx`` from :func:`meet`. On failure ``flat`` is left open
+    for the caller to close.
     """
-    comm, why = _choose(flat, ctx, found, group)
-    if found.plane in ("shm", "hierarchical") and comm.plane != found.plane:
+    agreed = ctx.layout
+    pinned = agreed.plane if agreed is not None else found.plane
+    comm, why = _choose(flat, ctx, pinned, found.debug, group)
+    if pinned in ("shm", "hierarchical") and comm.plane != pinned:
         if comm is not flat:
             comm.close()
-        raise BackendUnavailableError(f"{ENV}={found.plane} cannot be used in this job: {why}")
+        raise BackendUnavailableError(f"{ENV}={pinned} cannot be used in this job: {why}")
     comm.plane_reason = why
     comm.plane_settings = found
+    comm.layout = agreed
+    if comm.rank == 0 and agreed is not None and agreed.differs:
+        warnings.warn(
+            f"smddp: the ranks of this group set {', '.join(agreed.differs)} differently; every rank uses "
+            f"the group's rank 0's values (SMDDP_SHM_SLOT_BYTES: the smallest asked for)",
+            RuntimeWarning, stacklevel=2)
     if found.debug and comm.rank == 0:
         where = "" if group == "world" else f" of group {group!r}"
         print(f"smddp: CPU plane{where}: {comm.plane} ({why})", file=sys.stderr, flush=True)
     return comm
 
 
-def _choose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str) -> Tuple[Communicator, str]:
+def _plane_store(ctx: Context):
+    return tdist.PrefixStore("smddp/cpu-plane/", ctx.store)
+
+
+def _choose(flat: Communicator, ctx: Context, pinned: str, debug: bool, group: str
+            ) -> Tuple[Communicator, str]:
     from smddp.comm.backends import shm
     from smddp.comm.backends.planes import HierarchicalCommunicator, ShmCommunicator
-    from smddp.comm.backends.shm_segment import SHM_DIR, SLOT_BYTES, supported
 
     if flat.size == 1:
         return flat, "a group of one rank"
-    if found.plane in ("mpi", "gloo"):
-        return flat, f"{ENV}={found.plane}"
-    if ctx.store is None:
+    if pinned in ("mpi", "gloo"):
+        return flat, f"{ENV}={pinned}"
+    agreed = ctx.layout
+    if agreed is None:
         return flat, "no store to meet through"
-    store = tdist.PrefixStore("smddp/cpu-plane/", ctx.store)
-    mine = {"host": hostmates.host_identity(SHM_DIR), "ok": supported(),
-            "native": found.native and shm.native is not None}
-    mates = hostmates.find(store, flat.rank, flat.size, mine)
+    if not agreed.same_protocol:
+        return flat, "the ranks run smddp versions whose shared-memory protocols differ"
+    mates = agreed.mates
     sizes = sorted({len(members) for members in mates.hosts})
     nhosts = len(mates.hosts)
     if nhosts > 1 and (len(sizes) > 1 or sizes[0] == 1):
         return flat, (f"ranks per host {sizes}: the hierarchical plane needs the same number of ranks, "
                       f"2 or more, on every host")
+    store = _plane_store(ctx)
     channel = hostmates.HostChannel(store, mates, ctx.timeout)
-    votes = [(mates.info[r]["ok"], mates.info[r]["native"]) for r in mates.ranks]
-    plane = shm.open_plane(channel, votes, group, SLOT_BYTES)
+    plane = shm.open_plane(channel, agreed, group)
     if nhosts == 1:
         if plane is None:
             return flat, "no usable shared memory on this host"
-        return ShmCommunicator(ctx, plane, flat, found.debug), f"all {flat.size} ranks share one host"
+        return ShmCommunicator(ctx, plane, flat, debug), f"all {flat.size} ranks share one host"
     # Every host must have its plane, or none uses one.
     if mates.local_rank == 0:
         store.set(f"plane/{mates.host}", "1" if plane is not None else "0")
@@ -175,7 +237,7 @@ def _choose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str) 
     except BaseException:
         plane.close()
         raise
-    comm = HierarchicalCommunicator(ctx, plane, across, flat, found.hierarchical_min_bytes, found.debug)
+    comm = HierarchicalCommunicator(ctx, plane, across, flat, debug)
     return comm, f"{nhosts} hosts of {mates.local_size} ranks"
 
 
@@ -200,5 +262,5 @@ def companion(topology, mpi4py: bool, found: Optional[PlaneSettings] = None) -> 
     if not topology.distributed and topology.size == 1:
         return "local"
     if topology.mpi and mpi4py:
-        return flat_backend("mpi", found or PlaneSettings())
+        return flat_backend("mpi", (found or PlaneSettings()).plane)
     return "gloo"

@@ -2,11 +2,13 @@
 
 A fingerprint is a fixed-size row of integers -- operation, reduction op, dtype, shape or
 element count, root rank, sequence number -- that ranks compare before they use each
-other's data. Three places compare them: ``SMDDP_DEBUG=1`` before every collective
+other's data; an all-to-all's split sizes, which differ from rank to rank, are compared by
+whether they pair up (:func:`unpaired`). Three places compare them: ``SMDDP_DEBUG=1`` before every collective
 (:mod:`smddp.comm.engine.debug`, which all-gathers the rows), the shared-memory plane on
 every collective, from fingerprints that each rank writes next to its epoch word
-(:mod:`smddp.comm.backends.shm`), and the gloo plane, whose collectives start with an
-exchange that carries them (:mod:`smddp.comm.backends.gloo`). The planes pack a fingerprint
+(:mod:`smddp.comm.backends.shm`), and the flat communicators (gloo; MPI's all-to-all and the
+hierarchical plane's all-reduces), whose collectives start with an exchange that carries them
+(:mod:`smddp.comm.checked`). The planes pack a fingerprint
 into two integers (:func:`signature`, :data:`Print`); all describe a difference with
 :func:`describe`.
 """
@@ -184,3 +186,40 @@ def mismatch_error(prints: Sequence[Print], names: Sequence[int], plane: str, gr
     if SEQ in differing(rows):
         text += " Different sequence numbers mean some ranks ran collectives the others did not."
     return CollectiveMismatchError(text)
+
+
+def unpaired(sends: Sequence[Sequence[int]], expects: Sequence[Sequence[int]]) -> List[Tuple[int, int, int, int]]:
+    """The pairs of ranks whose all-to-all split sizes disagree.
+
+    Args:
+        sends: ``sends[r][q]``: what rank r sends to rank q.
+        expects: ``expects[q][r]``: what rank q expects from rank r.
+
+    Returns:
+        ``(r, q, sent, expected)`` for every r and q where ``sends[r][q] != expects[q][r]``, in
+        rank order; empty when every part pairs up.
+    """
+    n = len(sends)
+    return [(r, q, sends[r][q], expects[q][r]) for r in range(n) for q in range(n) if sends[r][q] != expects[q][r]]
+
+
+def unpaired_error(pairs: Sequence[Tuple[int, int, int, int]], names: Sequence[int], plane: str, seq: int,
+                   group: str = "world", unit: str = "elements") -> CollectiveMismatchError:
+    """The error every rank raises when an all-to-all's split sizes do not pair up.
+
+    Args:
+        pairs: :func:`unpaired`'s list (plane ranks).
+        names: the group rank of each of the plane's ranks.
+        plane: the plane, in words (``"the gloo plane"``).
+        seq: the collective's sequence number.
+        group: the group's name.
+        unit: what the sizes count.
+    """
+    where = "" if group == "world" else f" in group {group!r}"
+    shown = "; ".join(f"rank {names[r]} sends {sent} {unit} to rank {names[q]}, which expects {expected}"
+                      for r, q, sent, expected in pairs[:4])
+    more = f" (and {len(pairs) - 4} more pairs)" if len(pairs) > 4 else ""
+    return CollectiveMismatchError(
+        f"the ranks' all_to_all_single split sizes do not pair up at sequence {seq}{where} on {plane}: "
+        f"{shown}{more}. Each rank's input_split_sizes[q] must equal rank q's output_split_sizes for it. "
+        f"The collective was not run on any rank, and the plane stays in step: later collectives run.")

@@ -96,6 +96,7 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
         # plane for where they are (a subgroup on one host gets shared memory).
         from smddp.comm import cpu
 
+        ctx = cpu.meet(ctx, found)  # the members' own layout: their hosts, their settings
         flat = _flat(getattr(comm, "flat", comm), ranks, ctx)
         try:
             return cpu.compose(flat, ctx, found, f"g{len(ranks)}")

@@ -109,21 +109,22 @@ def register_device_backend(pg, device_type: str, backend_type_name: str, backen
     pg._register_backend(torch.device(device_type), backend_type(backend_type_name), backend)
 
 
-def gloo_backend(store, rank: int, size: int, timeout, group_name: str, lazy: bool = True):
+def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, lazy: bool = True):
     """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
 
-    Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`).
+    Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`):
+    ``one_host``, from the group's agreed layout, says whether loopback reaches every rank.
     """
     from smddp.comm.backends.gloo_group import gloo_group
 
     backend = None
     if lazy:
         try:
-            backend = gloo_group(store, rank, size, timeout, lazy=True, threads=2)
+            backend = gloo_group(store, rank, size, timeout, one_host, lazy=True, threads=2)
         except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
             backend = None
     if backend is None:
-        backend = gloo_group(store, rank, size, timeout)
+        backend = gloo_group(store, rank, size, timeout, one_host)
     backend.options.group_name = group_name
     backend.options.global_ranks_in_group = list(range(size))
     return backend

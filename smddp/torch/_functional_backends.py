@@ -18,6 +18,7 @@ pays about a millisecond at ``init_process_group()`` and no connections.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from typing import Callable, Dict, List, Tuple
@@ -28,11 +29,14 @@ import torch.distributed as tdist
 from smddp.torch import _compat
 
 
-def _devices() -> List[Tuple[str, str, Callable]]:
-    """(device type, torch backend type, factory) for each device torch can serve here."""
+def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
+    """(device type, torch backend type, factory) for each device torch can serve here.
+
+    ``one_host``: every rank of the group is on this host (gloo then listens on loopback).
+    """
     found = []
     if tdist.is_gloo_available():
-        found.append(("cpu", "GLOO", _compat.gloo_backend))
+        found.append(("cpu", "GLOO", functools.partial(_compat.gloo_backend, one_host=one_host)))
     if torch.cuda.is_available() and tdist.is_nccl_available():
         found.append(("cuda", "NCCL", _compat.nccl_backend))
     xpu = getattr(torch, "xpu", None)
@@ -60,7 +64,10 @@ def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, grou
         ``{device type: seconds its backend took to create}`` for the backends registered.
     """
     costs: Dict[str, float] = {}
-    for device, kind, factory in _devices():
+    # Whether every rank is on this host: the group's agreed layout says (its CPU communicator's).
+    layout = getattr(group.engine.comms.get("cpu"), "layout", None)
+    one_host = layout.one_host if layout is not None else size == 1
+    for device, kind, factory in _devices(one_host):
         started = time.perf_counter()
         try:
             backend = factory(tdist.PrefixStore(f"smddp/native/{device}/", store), rank, size, timeout, group_name)

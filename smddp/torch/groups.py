@@ -156,7 +156,10 @@ def _world_topology_for(rank: int, size: int) -> Topology:
     if (found.rank, found.size) == (rank, size):
         return found
     launcher = "explicit" if found.launcher == "none" else found.launcher
-    local_size = found.local_size if found.size == size else size
+    # Ranks given as arguments (Lightning's launcher, mp.spawn) where the environment counts another
+    # world: nothing here says which ranks share this host, so none is claimed; the group's agreed
+    # layout finds the host-mates (smddp.comm.layout) and gives the local rank.
+    local_size = found.local_size if found.size == size else 1
     return dataclasses.replace(
         found, rank=rank, size=size, local_size=local_size, local_rank=rank % local_size,
         node_rank=rank // local_size, launcher=launcher,

@@ -4,8 +4,9 @@
 world size and global rank come from ``WORLD_SIZE``/``RANK``, with
 ``DDPStrategy(cluster_environment=env, process_group_backend="smddp")``. ``--env mpi`` uses
 Lightning's own ``MPIEnvironment`` instead. ``--env launcher`` is a plain ``python
-lightning_ddp.py``: Lightning's own launcher starts the second process. Lightning then calls
-``init_process_group("smddp", rank=..., world_size=...)`` (``env://``) itself. Each rank
+lightning_ddp.py``: Lightning's own launcher starts the second process (``--nodes 2``: on each of
+two hosts, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as across real nodes).
+Lightning then calls ``init_process_group("smddp", rank=..., world_size=...)`` (``env://``) itself. Each rank
 prints its CPU plane and ``LIGHTNING <rank> <json>`` with digests of its parameters before and after training.
 """
 
@@ -32,7 +33,9 @@ except ImportError:  # --env launcher: Lightning re-runs this script as plain py
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--env", choices=("aws", "mpi", "launcher"), required=True)
-which = parser.parse_args().env
+parser.add_argument("--nodes", type=int, default=1, help="hosts of Lightning's own launcher (--env launcher)")
+args = parser.parse_args()
+which = args.env
 
 
 class Points(torch.utils.data.Dataset):
@@ -66,7 +69,7 @@ elif which == "mpi":
 else:
     env = None  # Lightning's default environment and launcher: it starts rank 1 itself
 local_size = 2 if env is None else int(os.environ["LOCAL_WORLD_SIZE"])
-num_nodes = 1 if env is None else int(os.environ["WORLD_SIZE"]) // local_size
+num_nodes = args.nodes if env is None else int(os.environ["WORLD_SIZE"]) // local_size
 torch.manual_seed(0)
 model = Regression()
 initial = digest(model)
@@ -82,5 +85,6 @@ report = {
     "environment": type(trainer.strategy.cluster_environment).__name__, "initial": initial, "final": digest(model),
     "plane": groups.current().engine.comms["cpu"].plane,
 }
-print(f"LIGHTNING {dist.get_rank()} {json.dumps(report)}", flush=True)
+# One write per line: processes that share the pipe cannot split it.
+print(f"LIGHTNING {dist.get_rank()} {json.dumps(report)}\n", end="", flush=True)
 dist.destroy_process_group()

@@ -1,9 +1,13 @@
 """Collectives that differ across ranks, with SMDDP_DEBUG unset: every rank must raise.
 
-Usage: ``mismatch_job.py v1|torch [case ...]`` under mpirun or torchrun; with
-``MISMATCH_RANKS_PER_HOST=n`` every n ranks make one "host" (``SMDDP_HOST_ID``). ``v1`` calls
+Usage: ``mismatch_job.py v1|torch [case ...]`` under mpirun or torchrun; ``FAKE_RANKS_PER_HOST``
+and ``FAKE_ENV_<host>`` make "hosts" built differently (see ``fake_hosts.py``). ``v1`` calls
 ``smddp.torch.distributed``; ``torch`` calls ``torch.distributed`` on the ``"smddp"`` backend.
-The last rank is the odd one out (with 3 ranks, ranks 0 and 1 agree with each other).
+The last rank is the odd one out (with 3 ranks, ranks 0 and 1 agree with each other), but in
+``switch_host``: there the upper half of the ranks (a whole host of the hierarchical plane)
+all-reduce 240 KB where the others all-reduce 280 KB, across the 256 KB switch between the
+hierarchical plane's paths; ``switch_rank`` has the last rank alone do so. In ``a2a_unpaired``
+every rank sends 2 elements to every rank, and the last rank expects 3 from rank 0.
 
 Per case and rank it prints ``RAISED <case> <rank> <exception class> <message>`` (or
 ``RETURNED <case> <rank>``), then every rank runs a correct all-reduce of ``rank + 1`` and
@@ -16,15 +20,10 @@ a job that ran every case.
 
 from __future__ import annotations
 
-import os
 import sys
 
+import fake_hosts  # noqa: F401 - first: it sets this host's variables before smddp is imported
 import torch
-
-if os.environ.get("MISMATCH_RANKS_PER_HOST"):
-    # Make "hosts" of this many ranks each (the hierarchical plane), as SMDDP_HOST_ID allows.
-    launched = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
-    os.environ["SMDDP_HOST_ID"] = f"host{launched // int(os.environ['MISMATCH_RANKS_PER_HOST'])}"
 
 API = sys.argv[1]
 if API == "v1":
@@ -50,6 +49,13 @@ def all_gather(count: int, dtype=torch.float32) -> None:
     dist.all_gather([torch.empty_like(tensor) for _ in range(SIZE)], tensor)
 
 
+def a2a_unpaired() -> None:
+    """Each rank's own splits add up; rank 0 sends the last rank 2 elements, which expects 3."""
+    output_splits = [3] + [2] * (SIZE - 1) if ODD else [2] * SIZE
+    output = torch.zeros(sum(output_splits))
+    dist.all_to_all_single(output, torch.full((2 * SIZE,), 10.0 * (RANK + 1)), output_splits, [2] * SIZE)
+
+
 def gather_bad_root() -> None:
     tensor = torch.full((4,), float(RANK))
     if RANK == 0:  # one output too few: an argument error that only the root can see
@@ -69,6 +75,9 @@ CASES = {
     "all_reduce_vs_broadcast": lambda: dist.broadcast(torch.ones(4), 0) if ODD else dist.all_reduce(torch.ones(4)),
     "sum_vs_max": lambda: dist.all_reduce(torch.ones(4), op=MAX if ODD else SUM),
     "count_1m": lambda: dist.all_reduce(torch.ones(BIG + 1 if ODD else BIG)),
+    "a2a_unpaired": a2a_unpaired,
+    "switch_rank": lambda: dist.all_reduce(torch.ones(60_000 if ODD else 70_000)),
+    "switch_host": lambda: dist.all_reduce(torch.ones(60_000 if RANK >= SIZE // 2 else 70_000)),
 }
 
 

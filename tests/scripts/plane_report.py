@@ -1,9 +1,12 @@
 """All-reduces checked on every rank, and the CPU plane the job took; run by tests/test_every_launcher.py.
 
-``python plane_report.py v1|v2|spawn``: ``v1`` initializes with smddp's own
+``python plane_report.py v1|v2|spawn|spawn-hosts``: ``v1`` initializes with smddp's own
 ``init_process_group()``, ``v2`` with ``torch.distributed.init_process_group(backend="smddp")``
 (the launcher's ``env://``), ``spawn`` starts two processes itself with
-``torch.multiprocessing.spawn`` and ``env://`` on a free loopback port. Every rank all-reduces
+``torch.multiprocessing.spawn`` and ``env://`` on a free loopback port. ``spawn-hosts`` is
+multi-node ``mp.spawn``: run once on each of two hosts with ``SPAWN_NODE`` (0 or 1),
+``MASTER_ADDR`` and ``MASTER_PORT``, it starts two processes that pass only their rank and the
+world size (4) to ``init_process_group``: nothing in their environment says where the others are. Every rank all-reduces
 seeded integer-valued tensors of 4 KB to 16 MB (sums of them are exact in float32, so the
 expected result is computed here, without communication) and prints
 ``PLANE <rank> <backend> <plane>`` and ``PASSED <rank>``.
@@ -40,9 +43,10 @@ def check(rank: int, size: int) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         assert torch.equal(t, torch.stack([inputs(r, numel) for r in range(size)]).amax(0)), (rank, numel)
     comm = groups.current().engine.comms["cpu"]
-    print(f"PLANE {rank} {comm.name} {comm.plane}", flush=True)
+    # One write per line: processes that share the pipe cannot split it.
+    print(f"PLANE {rank} {comm.name} {comm.plane}\n", end="", flush=True)
     dist.destroy_process_group()
-    print(f"PASSED {rank}", flush=True)
+    print(f"PASSED {rank}\n", end="", flush=True)
 
 
 def spawned(rank: int, size: int, port: int) -> None:
@@ -52,7 +56,16 @@ def spawned(rank: int, size: int, port: int) -> None:
     check(rank, size)
 
 
+def spawned_on_host(local: int, node: int, per_node: int, nodes: int) -> None:
+    rank, size = node * per_node + local, nodes * per_node
+    tdist.init_process_group(backend="smddp", init_method="env://", rank=rank, world_size=size)
+    check(rank, size)
+
+
 def main(mode: str) -> None:
+    if mode == "spawn-hosts":
+        torch.multiprocessing.spawn(spawned_on_host, args=(int(os.environ["SPAWN_NODE"]), 2, 2), nprocs=2, join=True)
+        return
     if mode == "spawn":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -280,7 +280,7 @@ static PyObject *Segment_all_to_all(Segment *s, PyObject *args) {
     sign(o, seq, -1, dtype, -1, -1); /* the counts differ from rank to rank: not compared */
     o->data = (char *)(uintptr_t)out;
     o->input = (char *)(uintptr_t)in;
-    o->chunk = ((chunk_bytes < s->slot ? chunk_bytes : s->slot) - A2A_HEADER) / s->size / 64 * 64;
+    o->chunk = ((chunk_bytes < s->slot ? chunk_bytes : s->slot) - A2A_HEADER(s->size)) / s->size / 64 * 64;
     if (o->chunk < 64) {
         Py_DECREF(o);
         PyErr_SetString(PyExc_ValueError, "the segment's buffers are too small for an all-to-all");

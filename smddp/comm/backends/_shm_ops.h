@@ -47,11 +47,14 @@ static PyTypeObject OpType;
 static const int FP_KIND[] = {0, 5, 2, 1, 4, 0, 3};
 
 /* all_to_all's table (Op.parts), size entries each: send offset, send length, receive offset,
- * receive length, in bytes. In a step, a rank's buffer holds its largest send length (the
- * first step's header, from which every rank learns how many steps the exchange takes), then
- * one sub-buffer of ``chunk`` bytes per destination rank. */
+ * receive length, in bytes. In a step, a rank's buffer holds a header of A2A_HEADER(size) bytes,
+ * then one sub-buffer of ``chunk`` bytes per destination rank.  The first step's header has the
+ * rank's largest send length (from which every rank learns how many steps the exchange takes),
+ * then what it sends to each rank, then what it expects from each (int64 each): every rank checks
+ * that they pair up before it moves any data (Op.advance raises Mismatch with the pairs that
+ * do not).  The split sizes thus ride with the data: no exchange of their own. */
 enum { A2A_SEND_OFF, A2A_SEND_LEN, A2A_RECV_OFF, A2A_RECV_LEN };
-#define A2A_HEADER 64
+#define A2A_HEADER(size) ((8 + 16 * (Py_ssize_t)(size) + 63) / 64 * 64)
 #define PART(o, field, r) ((o)->parts[(field) * (o)->seg->size + (r)])
 
 /* Start a step: this rank's next buffer must be free (phase then goes on). */
@@ -330,6 +333,34 @@ static int run_all_reduce_across(Op *o) {
     }
 }
 
+/* What rank r sends to rank q, and what q expects from r, from the first step's headers. */
+static int64_t a2a_sent(Op *o, int r, int q) {
+    int64_t v;
+    memcpy(&v, buffer(o->seg, r, o->step) + 8 + 8 * (Py_ssize_t)q, sizeof v);
+    return v;
+}
+
+static int64_t a2a_expected(Op *o, int q, int r) {
+    int64_t v;
+    memcpy(&v, buffer(o->seg, q, o->step) + 8 + 8 * ((Py_ssize_t)o->seg->size + r), sizeof v);
+    return v;
+}
+
+static void raise_unpaired(Op *o);
+
+/* 1 if every rank sends every other what that one expects; else raise Mismatch (0). */
+static int splits_pair_up(Op *o) {
+    int r, q, size = o->seg->size;
+    for (r = 0; r < size; r++)
+        for (q = 0; q < size; q++)
+            if (a2a_sent(o, r, q) != a2a_expected(o, q, r)) {
+                o->done = 1;
+                raise_unpaired(o);
+                return 0;
+            }
+    return 1;
+}
+
 /* Every rank sends PART(SEND_LEN, r) bytes to rank r, ``chunk`` bytes per step and peer; the
  * number of steps (Op.n) is known to all once they have read the first step's headers. */
 static int run_all_to_all(Op *o) {
@@ -347,16 +378,21 @@ static int run_all_to_all(Op *o) {
         case 1: {
             char *mine = buffer(s, me, o->step);
             if (o->n == 0) {
-                int64_t most = 0;
-                for (r = 0; r < size; r++)
+                int64_t most = 0, v;
+                for (r = 0; r < size; r++) {
                     if (r != me && PART(o, A2A_SEND_LEN, r) > most)
                         most = PART(o, A2A_SEND_LEN, r);
+                    v = PART(o, A2A_SEND_LEN, r);
+                    memcpy(mine + 8 + 8 * r, &v, sizeof v);
+                    v = PART(o, A2A_RECV_LEN, r);
+                    memcpy(mine + 8 + 8 * ((Py_ssize_t)size + r), &v, sizeof v);
+                }
                 memcpy(mine, &most, sizeof most);
             }
             for (r = 0; r < size; r++) {
                 left = PART(o, A2A_SEND_LEN, r) - o->pos;
                 if (r != me && left > 0)
-                    copy(mine + A2A_HEADER + r * o->chunk, o->input + PART(o, A2A_SEND_OFF, r) + o->pos,
+                    copy(mine + A2A_HEADER(size) + r * o->chunk, o->input + PART(o, A2A_SEND_OFF, r) + o->pos,
                          left < o->chunk ? left : o->chunk);
             }
             written_wait_all(o);
@@ -366,6 +402,8 @@ static int run_all_to_all(Op *o) {
         case 2:
             if (o->n == 0) {
                 int64_t most = 0, theirs;
+                if (!splits_pair_up(o))
+                    return -1; /* every rank sees the same headers: every one raises here */
                 for (r = 0; r < size; r++) {
                     memcpy(&theirs, buffer(s, r, o->step), sizeof theirs);
                     if (theirs > most)
@@ -378,7 +416,7 @@ static int run_all_to_all(Op *o) {
             for (r = 0; r < size; r++) {
                 left = PART(o, A2A_RECV_LEN, r) - o->pos;
                 if (r != me && left > 0)
-                    copy(o->data + PART(o, A2A_RECV_OFF, r) + o->pos, buffer(s, r, o->step) + A2A_HEADER + me * o->chunk,
+                    copy(o->data + PART(o, A2A_RECV_OFF, r) + o->pos, buffer(s, r, o->step) + A2A_HEADER(size) + me * o->chunk,
                          left < o->chunk ? left : o->chunk);
             }
             o->pos += o->chunk;
@@ -388,6 +426,7 @@ static int run_all_to_all(Op *o) {
     }
 }
 
+/* 1 once complete, 0 to wait, -1 with an exception set. */
 static int run(Op *o) {
     switch (o->kind) {
     case K_ALL_REDUCE: return run_all_reduce(o);

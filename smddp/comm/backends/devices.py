@@ -9,6 +9,7 @@ backends; smddp can.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional
 
 import torch
@@ -35,19 +36,25 @@ def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator]
         ``{device_type: device_comm, "cpu": cpu_comm}``; the engine treats the first as the
         job's backend (barriers run on it).
 
+    The CPU communicator is made first: its ranks agree on the group's layout, whose local rank
+    (where the launcher counted none) picks the device.
+
     Raises:
-        BackendUnavailableError: either communicator cannot start (the device one is closed
-            again when the CPU one fails), or ``ctx`` has no CPU factory.
+        BackendUnavailableError: either communicator cannot start (the CPU one is closed
+            again when the device one fails), or ``ctx`` has no CPU factory.
     """
     if ctx.cpu is None:
         raise BackendUnavailableError(
             f"the {device_type} backend needs a CPU communicator for CPU tensors: create it through "
             f"smddp.comm.create_communicators")
-    device_comm = make(ctx)
+    cpu_comm = ctx.cpu(ctx)
+    # The CPU communicator's ranks have met (smddp.comm.layout): where no launcher counted this
+    # host's ranks, its local rank is the group's, and picks this rank's device.
+    topology = dataclasses.replace(ctx.topology, local_rank=cpu_comm.local_rank, local_size=cpu_comm.local_size)
     try:
-        cpu_comm = ctx.cpu(ctx)
+        device_comm = make(dataclasses.replace(ctx, topology=topology))
     except BaseException:
-        device_comm.close()
+        cpu_comm.close()
         raise
     return {device_type: device_comm, "cpu": cpu_comm}
 

@@ -6,44 +6,40 @@ operation (gloo runs it on its own threads) and completes through its Work.
 reduce_scatter stays the engine's derived one (all_to_all_single, then a local reduction):
 torch's gloo ``_reduce_scatter_base`` stalled on 2 ranks under mpirun (torch 2.13).
 
-Every collective starts with one exchange of the same length on every rank whatever the
-call: an all-gather of each rank's row, its fingerprint (:mod:`smddp.comm.fingerprint`:
-kind, dtype, element count, root, reduction op, sequence number) and up to
-:data:`SMALL_BYTES` of its data. gloo aborts the process (``gloo::EnforceNotMet`` in its own
-thread, SIGABRT) when ranks post messages of different lengths, so the fingerprints must
-travel before data of a length that may differ. Each rank compares every row's fingerprint
-with its own: if they differ, every rank raises the same
-:class:`~smddp.errors.CollectiveMismatchError` after that one exchange, and the plane stays
-in step. A collective whose data fit in the row is then done (an all-reduce folds the rows
-in rank order, half types in float32: the same bits on every rank); a larger one runs
+Every collective is checked (:mod:`smddp.comm.checked`): it starts with one exchange of the
+same length on every rank whatever the call, an all-gather of each rank's row: its
+fingerprint, up to :data:`SMALL_BYTES` of its data, and an all-to-all's split sizes. gloo
+aborts the process (``gloo::EnforceNotMet`` in its own thread, SIGABRT) when ranks post
+messages of different lengths, so the rows must travel before data of a length that may
+differ. If the calls differ (or an all-to-all's sizes do not pair up), every rank raises the
+same :class:`~smddp.errors.CollectiveMismatchError` after that one exchange, and the plane
+stays in step. A collective whose data fit in the row is then done (an all-reduce folds the
+rows in rank order, half types in float32: the same bits on every rank); a larger one runs
 gloo's own collective next, unless :attr:`GlooCommunicator.check_large` is off (the
-hierarchical plane's exchange between hosts, where a check may not add a round trip): then
-it goes out at once, unchecked. all_to_all_single's counts differ from rank to rank: its
-fingerprint has the dtype, not the counts, and gloo may still abort on counts that do not
-pair up (``SMDDP_DEBUG=1`` checks them first).
+hierarchical plane's exchange between hosts, whose calls the group has already compared):
+then it goes out at once, unchecked.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 from datetime import timedelta
-from typing import Deque, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as tdist
 
+from smddp import _sockets
+from smddp.comm import checked
 from smddp.comm.backends.gloo_group import gloo_group
 from smddp.comm.base import Communicator, Context, Op, Pending, average, reduce_rows, widened
-from smddp.comm.fingerprint import Print, mismatch_error, signature
+from smddp.comm.checked import as_bytes, rows_of
+from smddp.comm.fingerprint import Print, signature
 from smddp.errors import BackendUnavailableError
 
 #: Bytes of data that travel in the fingerprint exchange: collectives up to this size take no
 #: other exchange.
 SMALL_BYTES = 4096
-_HEAD = 16  # bytes of a row before its data: the fingerprint's two int64 words
-_ROW = _HEAD + SMALL_BYTES
-_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 _GLOO_OPS = {
     Op.SUM: tdist.ReduceOp.SUM,
@@ -86,91 +82,20 @@ class _Work(Pending):
         return True
 
 
-class _Checked(Pending):
-    """A collective that starts with the fingerprint exchange (see the module's docstring).
+class _Checked(checked.Checked):
+    """A checked gloo collective: sleeps on gloo's own thread while it waits."""
 
-    The communicator issues the collectives' gloo operations in issue order, the same on
-    every rank (gloo pairs them by that order): a collective's exchange goes out once the
-    collective before it has put out all of its own, and a larger collective's own
-    operation goes out once its exchange is in and agrees (:meth:`GlooCommunicator._pump`).
-
-    Args:
-        comm: the communicator.
-        fp: this rank's fingerprint; None: no exchange, ``large`` goes out at once (in order).
-        data: this rank's bytes that travel in its row (empty if none, or too large).
-        small: the collective is complete once the rows are in: ``small(rows)`` finishes it
-            (``rows``: every rank's data bytes, one row each), or None.
-        large: starts the collective's own gloo operation once the fingerprints agree (when
-            ``small`` is None).
-    """
-
-    __slots__ = ("_comm", "_fp", "_data", "_rows", "_first", "_small", "_large", "_second", "_done", "_error")
-
-    def __init__(self, comm: GlooCommunicator, fp: Optional[Print], data: torch.Tensor, small, large=None):
-        self._comm, self._fp, self._data, self._small, self._large = comm, fp, data, small, large
-        self._rows: Optional[torch.Tensor] = None
-        self._first: Optional[_Work] = None
-        self._second: Optional[Pending] = None
-        self._done = False
-        self._error: Optional[BaseException] = None
-        comm._issue(self)
-
-    def _exchange(self) -> None:
-        """Put out this collective's exchange (or, without a fingerprint, its operation)."""
-        comm = self._comm
-        if self._fp is None:
-            self._second = self._large()
-            return
-        row = torch.zeros(_ROW, dtype=torch.uint8)
-        row[:_HEAD].view(torch.int64).copy_(torch.tensor(self._fp, dtype=torch.int64))
-        row[_HEAD:_HEAD + self._data.numel()].copy_(self._data)
-        self._rows = torch.empty(comm.size * _ROW, dtype=torch.uint8)
-        self._first = _Work(comm.pg.allgather([list(self._rows.chunk(comm.size))], [row]))
-        self._data = None
-
-    def _exchanged(self) -> bool:
-        """Once the rows are in: compare them; finish a small collective, start a large one's
-        operation. False while they are not in."""
-        if self._first is None:  # no exchange: the operation is out
-            return True
-        if not self._first.test():
-            return False
-        rows = self._rows.view(self._comm.size, _ROW)
-        prints = [tuple(p) for p in rows[:, :_HEAD].contiguous().view(torch.int64).tolist()]
-        if any(p != self._fp for p in prints):
-            raise mismatch_error(prints, range(self._comm.size), "the gloo plane")
-        if self._small is not None:
-            self._small(rows[:, _HEAD:])
-            self._done = True
-        else:
-            self._second = self._large()
-        self._rows = None
-        return True
+    __slots__ = ()
 
     def block(self, seconds: float) -> None:
         """Sleep until gloo's thread completes the current exchange or ``seconds`` pass."""
-        current = self._second or self._first
+        current = self.current()
         if current is not None:
             current.block(seconds)
 
-    def test(self) -> bool:
-        if not self._done and self._second is None and self._error is None:
-            self._comm._pump()
-        if self._error is not None:
-            raise self._error
-        if self._second is not None and not self._done:
-            self._done = self._second.test()
-        return self._done
 
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """Flat contiguous ``tensor``'s memory as uint8 (a view)."""
-    return tensor.view(-1).view(torch.uint8)
-
-
-def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The first ``like.numel()`` elements of each of ``rows`` (uint8), as ``like``'s dtype."""
-    return rows[:, :like.numel() * like.element_size()].contiguous().view(like.dtype)
+def _nothing(rows: torch.Tensor) -> None:
+    """A collective done once the rows agree (a barrier, an agreement)."""
 
 
 class _Message(Pending):
@@ -210,48 +135,31 @@ class GlooCommunicator(Communicator):
         store = tdist.PrefixStore("smddp/gloo", ctx.store)
         # gloo's own limit comes a little after the engine's, so that the engine's timeout,
         # which names the stalled ranks, is the one users see.
-        self.pg = gloo_group(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10))
+        # Listen on loopback only if the group's agreed layout puts every rank on this host.
+        one_host = ctx.layout.one_host if ctx.layout is not None else _sockets.one_host(ctx.topology)
+        self.pg = gloo_group(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10), one_host)
         #: Check collectives larger than :data:`SMALL_BYTES` too, at the cost of one exchange
         #: before gloo's own operation. The hierarchical plane's exchange between hosts turns it
         #: off: a check there may not add a round trip (``SMDDP_DEBUG=1`` checks everything).
         self.check_large = True
-        self._issuing: Deque[_Checked] = collections.deque()  # collectives not yet wholly put out
-        self._lock = threading.Lock()
+        self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the gloo plane", _Checked)
 
-    def _issue(self, op: _Checked) -> None:
-        with self._lock:
-            self._issuing.append(op)
-            if len(self._issuing) == 1:
-                op._exchange()
-                self._put_out()
+    def _gather(self, row: torch.Tensor, rows: torch.Tensor) -> Pending:
+        return _Work(self.pg.allgather([list(rows.chunk(self.size))], [row]))
 
-    def _pump(self) -> None:
-        """Put out the waiting collectives' gloo operations, in issue order, as far as their
-        exchanges allow."""
-        with self._lock:
-            self._put_out()
-
-    def _put_out(self) -> None:
-        issuing = self._issuing
-        while issuing:
-            op = issuing[0]
-            try:
-                if not op._exchanged():
-                    return
-            except Exception as exc:  # noqa: BLE001 - a mismatch, or gloo's error: that collective's
-                op._error = exc
-            issuing.popleft()
-            if issuing:
-                issuing[0]._exchange()
-
-    def _checked(self, fp: Print, large) -> _Checked:
+    def _checked(self, fp: Print, large) -> Pending:
         """A collective too large for the exchange's row: checked first where :attr:`check_large`."""
-        return _Checked(self, fp if self.check_large else None, _NOTHING, None, large)
+        return self.checker.start(fp if self.check_large else None, large=large)
+
+    def agree(self, fp: Print) -> Pending:
+        """Only the exchange of fingerprint ``fp`` (a row like a collective's): raises on every rank
+        unless every rank's is the same. The hierarchical plane's all-reduce starts with it."""
+        return self.checker.start(fp, small=_nothing)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))
         if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
-            return _Checked(self, fp, _bytes(tensor), lambda rows: reduce_rows(_typed(rows, tensor), op, tensor))
+            return self.checker.start(fp, as_bytes(tensor), lambda rows: reduce_rows(rows_of(rows, tensor), op, tensor))
 
         def large() -> Pending:
             work = widened(tensor)
@@ -273,9 +181,9 @@ class GlooCommunicator(Communicator):
         if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
             def small(rows: torch.Tensor) -> None:
                 if self.rank != src:
-                    tensor.view(-1).copy_(_typed(rows, tensor)[src])
+                    tensor.view(-1).copy_(rows_of(rows, tensor)[src])
 
-            return _Checked(self, fp, _bytes(tensor) if self.rank == src else _NOTHING, small)
+            return self.checker.start(fp, as_bytes(tensor) if self.rank == src else checked.EMPTY, small)
 
         def large() -> Pending:
             opts = tdist.BroadcastOptions()
@@ -287,8 +195,8 @@ class GlooCommunicator(Communicator):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         fp = (input.numel(), signature(tag, "all_gather", input.dtype))
         if input.numel() * input.element_size() <= SMALL_BYTES:
-            return _Checked(self, fp, _bytes(input),
-                            lambda rows: output.view(self.size, -1).copy_(_typed(rows, input)))
+            return self.checker.start(fp, as_bytes(input),
+                                      lambda rows: output.view(self.size, -1).copy_(rows_of(rows, input)))
         return self._checked(fp, lambda: _Work(self.pg.allgather([list(output.chunk(self.size))], [input])))
 
     def all_to_all_single(
@@ -305,10 +213,11 @@ class GlooCommunicator(Communicator):
             opts = tdist.AllToAllOptions()
             return _Work(self.pg.alltoall_base(output, input, list(output_counts), list(input_counts), opts))
 
-        return self._checked(fp, large)
+        # Always checked: split sizes that do not pair up would abort gloo (or read the wrong bytes).
+        return self.checker.start(fp, checked.split_words(input_counts, output_counts), large=large, paired=True)
 
     def barrier(self, tag: int) -> Pending:
-        return _Checked(self, (-1, signature(tag, "barrier")), _NOTHING, lambda rows: None)
+        return self.checker.start((-1, signature(tag, "barrier")), small=_nothing)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         return _Message(self.pg.send([tensor], dst, tag), dst)

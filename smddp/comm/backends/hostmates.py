@@ -2,14 +2,10 @@
 
 Every CPU plane that uses shared memory starts here, whatever launched the job (mpirun,
 torchrun, smddprun, ``mp.spawn``, srun, SageMaker): the group's store is all it needs, never
-mpi4py. Each rank publishes a host identity and reads everyone's; ranks with the same
-identity are host-mates. ``LOCAL_WORLD_SIZE`` is not used: it is the launcher's count of the
-job's ranks on the host, wrong for subgroups and hybrid meshes.
-
-The identity is the host name, the kernel's boot id and the device and inode of the
-shared-memory directory: two processes with the same identity see one /dev/shm, so a
-segment one of them creates, the other can map. ``SMDDP_HOST_ID`` replaces the host-name
-part (containers that share a host name but not their memory set it; a test can make hosts).
+mpi4py. Each rank publishes what it is (its host identity, :func:`smddp.comm.layout.host_identity`,
+and what :mod:`smddp.comm.layout` agrees on) and reads everyone's; ranks with the same identity
+are host-mates. ``LOCAL_WORLD_SIZE`` is not used: it is the launcher's count of the job's ranks
+on the host, wrong for subgroups and hybrid meshes.
 
 Values in the store are plain text (JSON), never pickles: a store has no authentication.
 """
@@ -17,32 +13,12 @@ Values in the store are plain text (JSON), never pickles: a store has no authent
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Sequence
 
-from smddp import knobs
 from smddp.errors import CollectiveTimeout
-
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-def host_identity(shm_dir: str, env=os.environ) -> str:
-    """This process's host identity: ranks with equal identities can share memory in ``shm_dir``."""
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    try:
-        st = os.stat(shm_dir)
-        shm = f"{st.st_dev}:{st.st_ino}"
-    except OSError:
-        shm = "-"
-    return f"{knobs.value('SMDDP_HOST_ID', env) or socket.gethostname()}|{boot}|{shm}"
 
 
 @dataclass
@@ -56,7 +32,7 @@ class Hostmates:
         local_rank: this process's index in ``ranks``.
         host: this host's index among the group's hosts (ordered by their lowest rank).
         hosts: every host's group ranks, in host order.
-        info: what each rank published (``info[r]``), for the plane's votes.
+        info: what each rank published (``info[r]``): :mod:`smddp.comm.layout` reads it.
     """
 
     rank: int
@@ -79,26 +55,23 @@ def exchange(store, rank: int, size: int, mine: Dict[str, Any]) -> List[Dict[str
     return [json.loads(store.get(f"hostmates/{r}")) for r in range(size)]
 
 
-def find(store, rank: int, size: int, mine: Dict[str, Any]) -> Hostmates:
-    """Meet the group's ranks through ``store`` and group them by ``mine["host"]``.
+def grouped(info: List[Dict[str, Any]], rank: int) -> Hostmates:
+    """Group the ranks of a group by the ``"host"`` each published (:func:`exchange`'s list).
 
     Args:
-        store: the group's store, with a prefix of the caller's (keys ``hostmates/<rank>``).
+        info: what every rank published, in rank order; ``info[r]["host"]`` is a string.
         rank: this rank in the group.
-        size: the group's size.
-        mine: what this rank publishes; ``"host"`` (:func:`host_identity`) is required.
 
     Returns:
-        The layout, the same on every rank.
+        The layout over hosts, the same on every rank.
     """
-    info = exchange(store, rank, size, mine)
     by_host: Dict[str, List[int]] = {}
     for r, entry in enumerate(info):
         by_host.setdefault(entry["host"], []).append(r)
     hosts = sorted(by_host.values(), key=lambda members: members[0])
     host = next(i for i, members in enumerate(hosts) if rank in members)
     ranks = hosts[host]
-    return Hostmates(rank, size, ranks, ranks.index(rank), host, hosts, info)
+    return Hostmates(rank, len(info), ranks, ranks.index(rank), host, hosts, info)
 
 
 class HostChannel:

@@ -11,6 +11,13 @@ all-reduce on a worker thread instead (see :data:`LARGE_ALLREDUCE`).
 
 Buffers are handed to MPI by address (``MPI.buffer.fromaddress``), not through DLPack:
 that costs about 1 us instead of 7 us per call.
+
+all_to_all_single is checked (:mod:`smddp.comm.checked`): every rank's fingerprint and split
+sizes travel first, in one all-gather, so sizes that do not pair up raise
+:class:`~smddp.errors.CollectiveMismatchError` on every rank instead of an MPI error on some. So
+are the all-reduces of the hierarchical plane (:attr:`MPICommunicator.check_all_reduce`), whose
+ranks pick a path by the byte count. Checked collectives run on a communicator of their own, in
+issue order; the others are not compared (``SMDDP_DEBUG=1`` compares every collective).
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import _excepthook, _mca, knobs
-from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, widened
+from smddp.comm import checked
+from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, reduce_rows, widened
+from smddp.comm.checked import as_bytes, rows_of
+from smddp.comm.fingerprint import Print, signature
 from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 
@@ -60,6 +70,9 @@ _MPI_TYPES = {
 # so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
+#: Bytes of data that ride in a checked collective's row (an all-reduce this small takes no
+#: other exchange). Every rank receives every rank's row: kept small.
+SMALL_BYTES = 256
 
 
 def _buffer(t: torch.Tensor, datatype=None):
@@ -169,12 +182,19 @@ class MPICommunicator(Communicator):
         # Users' point-to-point tags get a communicator of their own: they can never
         # match the ring's messages.
         self.p2p = self._base.Dup()
+        # Checked collectives go out in the order the checker puts them out, later than they are
+        # issued: a communicator of their own keeps them from crossing the others.
+        self._checked_comm = self._base.Dup()
         self.max_tag = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # MPI sets it on the world alone
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._large_comm = None
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the MPI plane")
+        #: Check every all-reduce (its fingerprint first, in one small all-gather): the
+        #: hierarchical plane turns it on for its flat all-reduces (see :meth:`agree`).
+        self.check_all_reduce = False
         if base is None and (self.rank, self.size) != (ctx.topology.rank, ctx.topology.size):
             raise BackendUnavailableError(
                 f"MPI says rank {self.rank} of {self.size}, but the job was set up as rank "
@@ -221,6 +241,8 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        if self.check_all_reduce:
+            return self._checked_all_reduce(tensor, op, tag)
         nbytes = tensor.numel() * tensor.element_size()
         if self.size > 1 and nbytes >= RING_MIN_BYTES and LARGE_ALLREDUCE == "blocking":
             return self._all_reduce_offloaded(tensor, op)
@@ -258,20 +280,36 @@ class MPICommunicator(Communicator):
                 pending._error = exc
             pending._finished.set()
 
-    def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int):
+    def _checked_all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))
+        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+            return self.checker.start(fp, as_bytes(tensor), lambda rows: reduce_rows(rows_of(rows, tensor), op, tensor))
+        return self.checker.start(fp, large=lambda: _Requests(self._all_reduce(tensor, op, tag, self._checked_comm)))
+
+    def agree(self, fp: Print) -> Pending:
+        """Only the exchange of fingerprint ``fp``, as a checked collective starts: raises on every
+        rank unless every rank's is the same. The hierarchical plane's all-reduce starts with it."""
+        return self.checker.start(fp, small=lambda rows: None)
+
+    def _gather(self, row: torch.Tensor, rows: torch.Tensor) -> Pending:
+        recv = [_buffer(rows)[0], row.numel(), MPI.BYTE]
+        return _Requests(iter([[self._checked_comm.Iallgather(_buffer(row), recv)]]), row, rows)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int, comm=None):
+        comm = self.comm if comm is None else comm
         work = widened(tensor)
         if self.size > 1:
             nbytes = work.numel() * work.element_size()
             if nbytes >= RING_MIN_BYTES and work.numel() >= self.size:
-                yield from self._ring(work.view(-1), op, tag % _TAG_SPACE)
+                yield from self._ring(work.view(-1), op, tag % _TAG_SPACE, comm)
             else:
-                yield [self.comm.Iallreduce(MPI.IN_PLACE, _buffer(work, _MPI_TYPES[work.dtype]), op=_MPI_OPS[op])]
+                yield [comm.Iallreduce(MPI.IN_PLACE, _buffer(work, _MPI_TYPES[work.dtype]), op=_MPI_OPS[op])]
         if op is Op.AVERAGE:
             average(work, self.size)
         if work is not tensor:
             tensor.copy_(work)
 
-    def _ring(self, flat: torch.Tensor, op: Op, tag: int):
+    def _ring(self, flat: torch.Tensor, op: Op, tag: int, comm):
         n, r = self.size, self.rank
         right, left = (r + 1) % n, (r - 1) % n
         chunks = list(torch.tensor_split(flat, n))
@@ -280,14 +318,14 @@ class MPICommunicator(Communicator):
         for step in range(n - 1):
             send, recv = chunks[(r - step) % n], chunks[(r - step - 1) % n]
             incoming = scratch[: recv.numel()]
-            yield [self.comm.Irecv(_buffer(incoming), source=left, tag=tag),
-                   self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+            yield [comm.Irecv(_buffer(incoming), source=left, tag=tag),
+                   comm.Isend(_buffer(send), dest=right, tag=tag)]
             combine(recv, incoming, op)
         # All-gather the reduced chunks around the ring.
         for step in range(n - 1):
             send, recv = chunks[(r + 1 - step) % n], chunks[(r - step) % n]
-            yield [self.comm.Irecv(_buffer(recv), source=left, tag=tag),
-                   self.comm.Isend(_buffer(send), dest=right, tag=tag)]
+            yield [comm.Irecv(_buffer(recv), source=left, tag=tag),
+                   comm.Isend(_buffer(send), dest=right, tag=tag)]
 
     # ---------------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
@@ -330,7 +368,13 @@ class MPICommunicator(Communicator):
         recv_counts = [c * size for c in output_counts]
         send = [_buffer(input)[0], (send_counts, _displacements(send_counts)), MPI.BYTE]
         recv = [_buffer(output)[0], (recv_counts, _displacements(recv_counts)), MPI.BYTE]
-        return _Requests(iter([[self.comm.Ialltoallv(send, recv)]]), input, output)
+        fp = (-1, signature(tag, "all_to_all_single", input.dtype))
+
+        def large() -> Pending:
+            return _Requests(iter([[self._checked_comm.Ialltoallv(send, recv)]]), input, output)
+
+        # Checked: split sizes that do not pair up raise on every rank, not MPI_ERR_TRUNCATE on some.
+        return self.checker.start(fp, checked.split_words(input_counts, output_counts), large=large, paired=True)
 
     def barrier(self, tag: int) -> Pending:
         return _Requests(iter([[self.comm.Ibarrier()]]))
@@ -356,6 +400,7 @@ class MPICommunicator(Communicator):
         if not MPI.Is_finalized():
             self.comm.Free()
             self.p2p.Free()
+            self._checked_comm.Free()
             if self._large_comm is not None and not self._worker.is_alive():
                 self._large_comm.Free()
 

@@ -8,12 +8,12 @@ Each composes communicators it is given; neither knows which library is beneath 
   compiled core, through ``flat`` (the group's MPI or gloo communicator). The plane compares
   every collective's fingerprint; after a mismatch (raised on every rank) it goes on.
 - :class:`HierarchicalCommunicator`: several hosts with the same number of ranks each.
-  all_reduce of ``min_bytes`` or more is a reduce-scatter within the host (shared memory), an
-  all-reduce of each rank's part with the same local rank of the other hosts (``across``: MPI
-  under an MPI launcher, gloo otherwise) and an all-gather within the host; everything else
-  goes through ``flat``. Its ranks compare fingerprints within the host only: after a
-  mismatch there the ranks of other hosts may already be in the step between hosts, so every
-  later collective of this communicator raises (the job is broken).
+  all_reduce of the group's agreed threshold or more is a reduce-scatter within the host
+  (shared memory), an all-reduce of each rank's part with the same local rank of the other
+  hosts (``across``: MPI under an MPI launcher, gloo otherwise) and an all-gather within the
+  host; everything else goes through ``flat``. Every all-reduce starts with the flat
+  communicator's exchange of its fingerprint, whichever path it takes: a mismatch raises on
+  every rank before any step, and the group goes on.
 
 :mod:`smddp.comm.cpu` chooses and builds them. :attr:`planes_used` records which plane each
 collective took; with ``debug`` set, the first use of each is printed.
@@ -28,7 +28,7 @@ import torch
 
 from smddp.comm.backends.shm import Plane
 from smddp.comm.base import Communicator, Context, Op, Pending
-from smddp.errors import CollectiveError
+from smddp.comm.fingerprint import signature
 
 
 class _Composed(Communicator):
@@ -121,70 +121,65 @@ class ShmCommunicator(_Composed):
 class HierarchicalCommunicator(_Composed):
     """Collectives of a group over several hosts with the same number of ranks on each.
 
+    Every all-reduce is checked across the whole group before it takes a path: its fingerprint
+    (element count and dtype, hence its bytes and so its path; op; sequence number) travels in
+    the flat communicator's first exchange, on the flat path as on the hierarchical one, so ranks
+    whose calls differ (byte counts on either side of ``SMDDP_HIERARCHICAL_MIN_BYTES`` included)
+    raise :class:`~smddp.errors.CollectiveMismatchError` on every rank, before any step, and the
+    group stays in step.
+
     Args:
-        ctx: the group's context.
+        ctx: the group's context; its agreed layout (``ctx.layout``) gives the threshold.
         shm: this host's plane.
         across: a communicator of the ranks with this rank's local index, one per host.
         flat: the group's communicator, for everything but large all-reduces.
-        min_bytes: all-reduces smaller than this go through ``flat``.
         debug: print the first use of each collective's plane.
     """
 
     plane = "hierarchical"
 
-    def __init__(self, ctx: Context, shm: Plane, across: Communicator, flat: Communicator,
-                 min_bytes: int, debug: bool = False):
+    def __init__(self, ctx: Context, shm: Plane, across: Communicator, flat: Communicator, debug: bool = False):
         super().__init__(ctx, shm, flat, debug)
         self.across = across
-        self.min_bytes = min_bytes
+        #: All-reduces smaller than this go through ``flat`` (the group's agreed threshold).
+        self.min_bytes = ctx.layout.hierarchical_min_bytes
         if hasattr(across, "check_large"):
-            # gloo between hosts: fingerprints only where they ride with the data; a check
-            # of the parts between hosts would add a round trip to every large all-reduce.
+            # gloo between hosts: the group has compared the call already (see all_reduce).
             across.check_large = False
-
-    def _in_step(self) -> None:
-        """Raise once this host's ranks have disagreed (the other hosts' may be waiting between hosts)."""
-        mismatch = self._shm.mismatch if self._shm is not None else None
-        if mismatch is not None:
-            raise CollectiveError(
-                f"the hierarchical CPU plane cannot go on after its ranks called different collectives "
-                f"(ranks on other hosts may still be in the step between hosts): {mismatch}")
+        if hasattr(flat, "check_all_reduce"):
+            flat.check_all_reduce = True  # MPI: its all-reduces start with the fingerprint exchange
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        self._in_step()
-        if tensor.numel() * tensor.element_size() >= self.min_bytes:
-            self._used("all_reduce", "hierarchical")
-            return self._shm.all_reduce_across(tensor, op, self.across, self.size, tag)
-        self._used("all_reduce", self.flat.name)
-        return self.flat.all_reduce(tensor, op, tag)
+        if tensor.numel() * tensor.element_size() < self.min_bytes:
+            self._used("all_reduce", self.flat.name)
+            return self.flat.all_reduce(tensor, op, tag)  # checked: its first exchange has the fingerprint
+        self._used("all_reduce", "hierarchical")
+        # The same fingerprint in the same exchange: a rank on the flat path meets it there.
+        agreed = self.flat.agree((tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op)))
+        return self._shm.all_reduce_across(tensor, op, self.across, self.size, tag, agreed)
 
     @property
     def native_reduce_scatter(self) -> bool:
         return self.flat.native_reduce_scatter
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
-        self._in_step()
         self._used("reduce_scatter", self.flat.name)
         return self.flat.reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        self._in_step()
         self._used("broadcast", self.flat.name)
         return self.flat.broadcast(tensor, src, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
-        self._in_step()
         self._used("all_gather", self.flat.name)
         return self.flat.all_gather(output, input, tag)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_counts: Sequence[int],
                           input_counts: Sequence[int], tag: int) -> Pending:
-        self._in_step()
         self._used("all_to_all_single", self.flat.name)
         return self.flat.all_to_all_single(output, input, output_counts, input_counts, tag)
 
     def barrier(self, tag: int) -> Pending:
-        self._in_step()
         self._used("barrier", self.flat.name)
         return self.flat.barrier(tag)
 

@@ -10,6 +10,10 @@ buffers. No trailing barrier: the epoch words order everything.
   rank computes the same bits); larger ones run a reduce-scatter and an all-gather per
   slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``
   (32 KiB) in the compiled core, a fixed 1 MiB in the Python path.
+- the sizes and thresholds are the group's agreed layout's (:mod:`smddp.comm.layout`), the
+  same on every rank; the hierarchical plane's all-reduce cuts the same slices between hosts
+  in both implementations (:attr:`Plane.part_bytes`), so a host on the Python path and one
+  with the compiled core run one job.
 - float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does.
 - Operations run one at a time in issue order (a later operation waits for the earlier
   ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
@@ -21,8 +25,8 @@ without the GIL; a wait spins ``SMDDP_SHM_SPIN_US`` (20 us), then sleeps on a fu
 the peer publishes. The Python path (:mod:`smddp.comm.backends.shm_torch`: generators over
 torch views) runs the same protocol: it is the fallback (no compiler at install,
 ``SMDDP_SHM_NATIVE=0``) and runs the hierarchical plane's half-precision all-reduces (their
-parts cross hosts in float32). All ranks of a plane take the same path, and both give the
-same bits.
+parts cross hosts in float32). All ranks of a host take the same path (the layout says which),
+and both give the same bits.
 
 The segment itself (its size, set-up and clean-up) is :mod:`smddp.comm.backends.shm_segment`'s.
 
@@ -58,19 +62,19 @@ from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
 from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
 from smddp.comm.base import DONE, HALF, Op, Pending
-from smddp.comm.fingerprint import mismatch_error
-from smddp.errors import CollectiveMismatchError
+from smddp.comm.fingerprint import mismatch_error, unpaired_error
+from smddp.errors import CollectiveMismatchError, CollectiveTimeout
 
 try:
     from smddp.comm.backends import _shm_native as native
 except ImportError:  # not built (no C compiler at install): the Python path serves
     native = None
 
-#: Bytes per step of the compiled core's larger collectives: small enough that a step's
-#: buffers stay in the caches while the ranks pass them on.
+#: This process's bytes per step of the compiled core's larger collectives (small enough that a
+#: step's buffers stay in the caches); a plane runs its group's agreed value (:class:`Plane`).
 CHUNK_BYTES = knobs.value("SMDDP_SHM_CHUNK_BYTES")
-#: All-reduces up to this many bytes run in one step in the compiled core (above it, each
-#: rank reduces one part of every step, which moves fewer bytes).
+#: This process's one-step limit of the compiled core's all-reduces (above it, each rank
+#: reduces one part of every step, which moves fewer bytes); a plane runs its group's agreed value.
 NATIVE_ONE_SHOT_MAX = knobs.value("SMDDP_SHM_ONE_SHOT_MAX")
 #: A wait on the peers spins this long, then sleeps until they publish (the compiled core):
 #: a rank whose peer is still computing gives the core back instead of taking it.
@@ -90,6 +94,7 @@ MIN_SLOT_BYTES = 64 << 10
 _MISMATCHES = (CollectiveMismatchError,) + ((native.Mismatch,) if native is not None else ())
 _SPINS = 64  # the Python path's flag checks per test() call before handing the core back
 _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exist
+_PLANE = "the shared-memory plane"
 
 
 class Plane(TorchOps):
@@ -104,24 +109,31 @@ class Plane(TorchOps):
         group: a name for the group (part of the segment's name).
         slot: bytes of each buffer.
         use_native: run operations in the compiled core (every rank must pass the same).
+        chunk_bytes: bytes per step of the compiled core's larger collectives.
+        one_shot_max: the compiled core's one-step all-reduce limit.
+        f16: the compiled core reduces float16 (every rank must pass the same).
+
+    Every rank of the host passes the same values: the group's agreed layout's (:func:`open_plane`).
 
     Attributes:
         native: True when the compiled core runs this plane's operations.
+        part_bytes: bytes of each slice of a hierarchical all-reduce, in both implementations.
 
     Raises:
         OSError: /dev/shm cannot hold the segment (:func:`open_plane` turns that into a
             fallback).
     """
 
-    def __init__(self, host, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False):
+    def __init__(self, host, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False,
+                 chunk_bytes: int = CHUNK_BYTES, one_shot_max: int = NATIVE_ONE_SHOT_MAX, f16: bool = True):
         self.rank, self.size = host.rank, host.size
         mates = getattr(host, "mates", None)
         #: The group rank of each of the plane's ranks (errors name them).
         self.names = list(mates.ranks) if mates is not None else list(range(self.size))
         self.group = group
-        #: The mismatch this plane last raised, if any (the hierarchical plane stops after one).
-        self.mismatch: Optional[CollectiveMismatchError] = None
         self.slot = slot
+        self.chunk_bytes, self.one_shot_max = chunk_bytes, one_shot_max
+        self.part_bytes = min(chunk_bytes, slot)
         self.name, self._mm = map_segment(host, group, segment_bytes(self.size, slot))
         self._words = memoryview(self._mm).cast("q")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -134,7 +146,7 @@ class Plane(TorchOps):
         self._state = self._seg if self._seg is not None else Counters()
         self.native = self._seg is not None
         self._codes = dict(_DTYPE_CODES) if self.native else {}
-        if self.native and not native.HAVE_FLOAT16:
+        if self.native and not (f16 and native.HAVE_FLOAT16):
             del self._codes[torch.float16]
         self._cache: dict = {}
         self._queue: collections.deque = collections.deque()
@@ -153,29 +165,35 @@ class Plane(TorchOps):
         if code is None:
             return self.start(self._all_reduce_gen(tensor, op, tag))
         return self._run(self._seg.all_reduce(
-            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], CHUNK_BYTES, NATIVE_ONE_SHOT_MAX, tag), tensor)
+            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], self.chunk_bytes, self.one_shot_max, tag), tensor)
 
-    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int) -> Pending:
+    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int,
+                          agreed: Optional[Pending] = None) -> Pending:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
         the hosts' parts through ``across`` (a communicator of the ranks with this local rank,
         one per host: MPI or gloo).
 
-        Per slice: each local rank reduces its part of the slice over the host, all-reduces that
-        part with the same local rank of every other host (float32 for half types), and the
-        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE; ``tag`` is
-        the collective's sequence number, passed to ``across``. The compiled core runs the
-        steps within the host and pauses for each exchange between hosts; half types take the
-        Python path (they cross hosts in float32).
+        Per slice of :attr:`part_bytes`: each local rank reduces its part of the slice over the
+        host, all-reduces that part with the same local rank of every other host (float32 for
+        half types), and the host all-gathers the parts. ``world`` (the group's size) divides an
+        AVERAGE; ``tag`` is the collective's sequence number, passed to ``across``. ``agreed``:
+        the group's exchange of this call's fingerprint; no step starts before it completes, and
+        if it raises (the ranks called different collectives) the plane is left as it was. The
+        compiled core runs the steps within the host and pauses for each exchange between hosts;
+        half types take the Python path (they cross hosts in float32).
         """
         code = self._codes.get(tensor.dtype)
         if code is None or tensor.dtype in HALF:
-            return self.start(self._all_reduce_across_gen(tensor, op, across, world, tag))
+            return self.start(self._all_reduce_across_gen(tensor, op, across, world, tag, agreed))
         native_op = self._seg.all_reduce_across(tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op],
-                                                CHUNK_BYTES, world, tag)
-        return self.start(self._across_native_gen(native_op, tensor.view(-1), across, op, tag))
+                                                self.chunk_bytes, world, tag)
+        return self.start(self._across_native_gen(native_op, tensor.view(-1), across, op, tag, agreed))
 
-    def _across_native_gen(self, native_op, flat: torch.Tensor, across, op: Op, tag: int) -> Iterator:
+    def _across_native_gen(self, native_op, flat: torch.Tensor, across, op: Op, tag: int,
+                           agreed: Optional[Pending]) -> Iterator:
         """Drive the core's all_reduce_across; between its pauses, all-reduce each part between hosts."""
+        if agreed is not None:
+            yield agreed  # raises here, before any step, if the ranks' calls differ
         stepping = _Stepping(native_op)
         across_op = Op.SUM if op is Op.AVERAGE else op  # the core divides by the group's size
         while not native_op.done:
@@ -197,7 +215,7 @@ class Plane(TorchOps):
         if code is None:
             return self.start(self._reduce_scatter_gen(output, input, op, tag))
         return self._run(self._seg.reduce_scatter(
-            output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], CHUNK_BYTES, tag),
+            output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], self.chunk_bytes, tag),
             (output, input))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int = 0) -> Pending:
@@ -205,7 +223,7 @@ class Plane(TorchOps):
         if not self.native:
             return self.start(self._all_gather_gen(output, input, tag))
         return self._run(self._seg.all_gather(
-            output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), CHUNK_BYTES,
+            output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), self.chunk_bytes,
             fingerprint.dtype_code(input.dtype), input.numel(), tag), (output, input))
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
@@ -213,7 +231,7 @@ class Plane(TorchOps):
         if not self.native:
             return self.start(self._broadcast_gen(tensor, src, tag))
         return self._run(self._seg.broadcast(
-            tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, CHUNK_BYTES,
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, self.chunk_bytes,
             fingerprint.dtype_code(tensor.dtype), tensor.numel(), tag), tensor)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts, input_counts,
@@ -221,12 +239,14 @@ class Plane(TorchOps):
         """Send ``input_counts[r]`` elements of flat ``input`` (consecutive, rank order) to rank r;
         receive ``output_counts[r]`` from rank r into flat ``output``. Compiled core only.
 
-        Its fingerprint has the dtype, not the counts (they differ from rank to rank).
+        Its fingerprint has the dtype, not the counts (they differ from rank to rank): the first
+        step carries each rank's split sizes instead, and every rank raises
+        :class:`~smddp.errors.CollectiveMismatchError` unless they pair up.
         """
         es = input.element_size()
         return self._run(self._seg.all_to_all(
             output.data_ptr(), input.data_ptr(), [c * es for c in input_counts], [c * es for c in output_counts],
-            CHUNK_BYTES, fingerprint.dtype_code(input.dtype), tag), (output, input))
+            self.chunk_bytes, fingerprint.dtype_code(input.dtype), tag), (output, input))
 
     def barrier(self, tag: int = 0) -> Pending:
         """Complete once every rank of the plane has entered it."""
@@ -271,11 +291,19 @@ class Plane(TorchOps):
         return op
 
     def _mismatched(self, exc: BaseException) -> CollectiveMismatchError:
-        """The error of an operation whose fingerprints differ (the core's Mismatch, or the Python path's)."""
-        if not isinstance(exc, CollectiveMismatchError):
-            exc = mismatch_error(exc.args[0], self.names, "the shared-memory plane", self.group)
-        self.mismatch = exc
-        return exc
+        """The error of an operation whose fingerprints differ, or whose all-to-all split sizes do
+        not pair up (the core's Mismatch, or the Python path's)."""
+        if isinstance(exc, CollectiveMismatchError):
+            return exc
+        prints = exc.args[0]
+        pairs = exc.args[1] if len(exc.args) > 1 else ()
+        if not pairs:
+            return mismatch_error(prints, self.names, _PLANE, self.group)
+        sig = prints[self.rank][1]  # the fingerprints agree: this rank's names the dtype
+        code = ((sig >> 16) & 0xFF) - 1
+        size = fingerprint.DTYPES[code].itemsize if 0 <= code < len(fingerprint.DTYPES) else 1
+        pairs = [(r, q, sent // size, expected // size) for r, q, sent, expected in pairs]
+        return unpaired_error(pairs, self.names, _PLANE, sig >> 32, self.group, "elements" if size > 1 else "bytes")
 
     def _advance(self, wait_ns: int) -> None:
         """Run queued operations until one must wait for other ranks (lock held).
@@ -404,23 +432,23 @@ class _Op(Pending):
         return self.done
 
 
-def open_plane(host, votes, group: str = "world", slot: int = SLOT_BYTES) -> Optional[Plane]:
+def open_plane(host, agreed, group: str = "world") -> Optional[Plane]:
     """A :class:`Plane` over one host's ranks, or None (one warning, on local rank 0) where it cannot be had.
 
-    The plane runs in the compiled core when every rank of the host has it.
+    The plane runs in the compiled core when every rank of the host has it, with the group's
+    agreed sizes and thresholds.
 
     Args:
         host: the host's set-up channel (:class:`~smddp.comm.backends.hostmates.HostChannel`).
-        votes: ``(supported(), compiled core built and wanted)`` of each rank of the host, the same list on
-            every one of them (exchanged through the store with the host identities).
+        agreed: the group's :class:`~smddp.comm.layout.Layout` (the same on every rank).
         group: a name for the group, part of the segment's name.
-        slot: bytes of each buffer.
 
     Returns:
-        The plane, or None when this is not x86-64 Linux, /dev/shm is too small, ``slot`` is
-        below :data:`MIN_SLOT_BYTES`, or the host has more ranks than the segment's header holds
-        (:data:`MAX_LOCAL_RANKS`).
+        The plane, or None when a rank of the host cannot run it (not x86-64 Linux), /dev/shm
+        is too small, the slot is below :data:`MIN_SLOT_BYTES`, or the host has more ranks than
+        the segment's header holds (:data:`MAX_LOCAL_RANKS`).
     """
+    slot, here = agreed.slot, agreed.mates.host
     if slot < MIN_SLOT_BYTES:
         if host.rank == 0:
             warnings.warn(
@@ -433,10 +461,13 @@ def open_plane(host, votes, group: str = "world", slot: int = SLOT_BYTES) -> Opt
                 f"smddp: the shared-memory plane serves at most {MAX_LOCAL_RANKS} ranks per host and this "
                 f"host has {host.size}: CPU collectives do not use shared memory", RuntimeWarning, stacklevel=2)
         return None
-    if not all(usable for usable, _ in votes):
+    if not agreed.shm[here]:
         return None
     try:
-        return Plane(host, group, slot, use_native=all(with_native for _, with_native in votes))
+        return Plane(host, group, slot, agreed.native[here], agreed.chunk_bytes, agreed.one_shot_max,
+                     agreed.native_f16[here])
+    except CollectiveTimeout:
+        raise  # a host-mate that never came (a TimeoutError, so an OSError): not a /dev/shm problem
     except OSError as exc:
         if host.rank == 0:
             warnings.warn(

@@ -46,7 +46,7 @@ class Counters:
 class TorchOps:
     """The plane's operations as generators over torch views of the segment.
 
-    Needs, from the class that mixes it in: ``rank``, ``size``, ``slot``, ``_bytes`` (the
+    Needs, from the class that mixes it in: ``rank``, ``size``, ``slot``, ``part_bytes``, ``_bytes`` (the
     segment as uint8), ``_words`` (its int64 words), ``_stride`` (words between two ranks'
     epoch words), ``_state`` (:class:`Counters`), ``_cache`` (a dict), ``names`` (each plane
     rank's group rank) and ``group`` (the group's name).
@@ -192,20 +192,24 @@ class TorchOps:
             if r != self.rank:
                 flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
 
-    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int
-                               ) -> Iterator[_Wait]:
+    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int,
+                               agreed=None) -> Iterator[_Wait]:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
         the hosts' parts through ``across`` (a communicator of the ranks with this local rank).
 
-        Per slice: each local rank reduces its part of the slice over the host, all-reduces that
-        part with the same local rank of every other host (float32 for half types), and the
-        host all-gathers the parts. ``world`` (the group's size) divides an AVERAGE; ``tag`` is
-        the collective's sequence number.
+        Per slice of ``part_bytes`` (as the compiled core cuts them: a host on this path and one
+        with the core run one job): each local rank reduces its part of the slice over the host,
+        all-reduces that part with the same local rank of every other host (float32 for half
+        types), and the host all-gathers the parts. ``world`` (the group's size) divides an
+        AVERAGE; ``tag`` is the collective's sequence number; ``agreed``: the group's exchange of
+        this call's fingerprint, awaited before any step (it raises if the calls differ).
         """
+        if agreed is not None:
+            yield agreed
         across_op = Op.SUM if op is Op.AVERAGE else op
         flat = tensor.view(-1)
         fp = (flat.numel(), signature(tag, "all_reduce", flat.dtype, op))
-        per_step = self.slot // flat.element_size()
+        per_step = max(self.part_bytes // flat.element_size(), self.size)
         for begin in range(0, max(flat.numel(), 1), per_step):
             part = flat[begin:begin + per_step]
             yield from self._step()

@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 from smddp.comm.engine.handle import poll
+from smddp.comm.layout import host_identity  # the one definition of "this host" (pid namespace included)
 
 #: Seconds a timed-out rank waits for the other ranks' answers.
 ANSWER_WAIT = 3.0
@@ -201,16 +202,6 @@ def _json_dict(raw) -> Optional[dict]:
     except (TypeError, ValueError):
         return None
     return found if isinstance(found, dict) else None
-
-
-def host_identity() -> str:
-    """This machine and process-id namespace ("" where unknown): two processes with the same
-    identity see each other's process ids in ``/proc``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
 
 
 def process_state(pid: int) -> str:

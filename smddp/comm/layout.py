@@ -1,0 +1,179 @@
+"""One agreed layout per group: where its ranks are, and how they move bytes.
+
+When a group is made, every rank publishes, through the group's store and in the one exchange
+that finds its host-mates (:func:`smddp.comm.backends.hostmates.exchange`), what it is and what it
+would do: its host identity (:func:`host_identity`), whether it can run the shared-memory plane
+and its compiled core, the version of the wire protocol it speaks, and its settings of every
+knob that picks a path or cuts the bytes (``SMDDP_CPU_PLANE``, ``SMDDP_SHM_SLOT_BYTES``,
+``SMDDP_SHM_CHUNK_BYTES``, ``SMDDP_SHM_ONE_SHOT_MAX``, ``SMDDP_HIERARCHICAL_MIN_BYTES``). Every
+rank reads every rank's and computes the same :class:`Layout` (:func:`agree`); from then on no
+rank decides such a thing from its own settings:
+
+- tuning knobs: the group's rank 0's value, except the slot size, which is the smallest any rank
+  asked for (a rank whose ``/dev/shm`` is small may lower it for everyone);
+- what a host can run: a host runs the compiled core only when every one of its ranks has it
+  (and wants it); otherwise its ranks run the Python path, which speaks the same protocol and
+  cuts the bytes between hosts the same way (:attr:`Layout.part_bytes`);
+- ranks that speak different protocols (different smddp versions) get no plane at all.
+
+Values read from the store are validated, never trusted as they are: a malformed one raises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from smddp import knobs
+from smddp.comm.backends import hostmates
+from smddp.errors import BackendUnavailableError
+
+#: The version of what ranks exchange on the wire (the shared-memory protocol, the check rows):
+#: ranks that publish different ones never share a plane.
+PROTOCOL = 2
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+#: The knobs each rank proposes, with the layout's field for each.
+_TUNING = (("slot", "SMDDP_SHM_SLOT_BYTES"), ("chunk", "SMDDP_SHM_CHUNK_BYTES"),
+           ("one_shot", "SMDDP_SHM_ONE_SHOT_MAX"), ("hier_min", "SMDDP_HIERARCHICAL_MIN_BYTES"))
+
+
+def _namespace(kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return "-"
+
+
+def host_identity(env: Optional[Mapping[str, str]] = None) -> str:
+    """This process's host identity: the one definition of "the same host" in smddp.
+
+    Two processes with equal identities run on one kernel (its boot id), see one shared-memory
+    directory (its device and inode: a segment one creates, the other can map), one process-id
+    namespace (each can tell whether the other's pid is alive) and one network namespace (each
+    reaches the other on loopback). ``SMDDP_HOST_ID`` replaces the host-name part (containers that
+    share a host name but not their memory set it; a test can make hosts with it).
+
+    Args:
+        env: the environment ``SMDDP_HOST_ID`` and ``SMDDP_SHM_DIR`` are read from (default: the process's).
+    """
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        st = os.stat(knobs.value("SMDDP_SHM_DIR", env))
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = "-"
+    name = knobs.value("SMDDP_HOST_ID", env) or socket.gethostname()
+    return f"{name}|{boot}|{shm}|{_namespace('pid')}|{_namespace('net')}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A group's agreed layout: the same on every rank of the group.
+
+    Attributes:
+        mates: the hosts and this rank's place among them.
+        plane: the ``SMDDP_CPU_PLANE`` the group runs (rank 0's).
+        slot: bytes of each shared-memory buffer (the smallest any rank asked for).
+        chunk_bytes: bytes per step of the compiled core's larger collectives (rank 0's).
+        one_shot_max: all-reduces up to this many bytes are one step in the compiled core (rank 0's).
+        hierarchical_min_bytes: all-reduces below this stay flat on the hierarchical plane (rank 0's).
+        shm: per host, whether every one of its ranks can run the shared-memory plane.
+        native: per host, whether every one of its ranks runs the compiled core.
+        native_f16: per host, whether every one of its ranks' cores reduces float16.
+        same_protocol: every rank speaks :data:`PROTOCOL`.
+        differs: the knobs some rank set to another value than the layout's.
+    """
+
+    mates: hostmates.Hostmates
+    plane: str
+    slot: int
+    chunk_bytes: int
+    one_shot_max: int
+    hierarchical_min_bytes: int
+    shm: Tuple[bool, ...]
+    native: Tuple[bool, ...]
+    native_f16: Tuple[bool, ...]
+    same_protocol: bool
+    differs: Tuple[str, ...]
+
+    @property
+    def one_host(self) -> bool:
+        """Every rank of the group is on this host (loopback reaches them all)."""
+        return len(self.mates.hosts) == 1
+
+    @property
+    def part_bytes(self) -> int:
+        """Bytes of each slice of a hierarchical all-reduce: both implementations cut the same parts."""
+        return min(self.chunk_bytes, self.slot)
+
+
+def proposal(plane: str, shm: bool, native: bool, native_f16: bool, tuning: Mapping[str, int],
+             env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """What this rank publishes: its identity, what it can run, and its settings.
+
+    Args:
+        plane: its ``SMDDP_CPU_PLANE``.
+        shm: it can run the shared-memory plane (x86-64 Linux with a shared-memory directory).
+        native: its compiled core is built and ``SMDDP_SHM_NATIVE`` is not off.
+        native_f16: its core reduces float16.
+        tuning: its ``slot``, ``chunk``, ``one_shot`` and ``hier_min`` byte counts.
+        env: the environment the identity is read from.
+    """
+    mine = {"host": host_identity(env), "protocol": PROTOCOL, "plane": plane, "ok": bool(shm),
+            "native": bool(native), "f16": bool(native_f16)}
+    mine.update({field: int(tuning[field]) for field, _ in _TUNING})
+    return mine
+
+
+def agree(store, rank: int, size: int, mine: Mapping[str, Any]) -> Layout:
+    """Publish ``mine`` (:func:`proposal`), read every rank's, and compute the group's layout.
+
+    Args:
+        store: the group's store, with a prefix of the caller's.
+        rank: this rank in the group.
+        size: the group's size.
+        mine: this rank's :func:`proposal`.
+
+    Raises:
+        BackendUnavailableError: a rank published something that is not a proposal.
+    """
+    info = hostmates.exchange(store, rank, size, dict(mine))
+    for r, entry in enumerate(info):
+        _validate(r, entry)
+    mates = hostmates.grouped(info, rank)
+    first = info[0]
+    tuning = {field: first[field] for field, _ in _TUNING}
+    tuning["slot"] = min(entry["slot"] for entry in info)
+    differs = [knob for field, knob in _TUNING if any(entry[field] != tuning[field] for entry in info)]
+    if any(entry["plane"] != first["plane"] for entry in info):
+        differs.insert(0, "SMDDP_CPU_PLANE")
+
+    def every(key: str) -> Tuple[bool, ...]:
+        return tuple(all(info[r][key] for r in members) for members in mates.hosts)
+
+    return Layout(
+        mates=mates, plane=first["plane"], slot=tuning["slot"], chunk_bytes=tuning["chunk"],
+        one_shot_max=tuning["one_shot"], hierarchical_min_bytes=tuning["hier_min"],
+        shm=every("ok"), native=every("native"), native_f16=every("f16"),
+        same_protocol=all(entry["protocol"] == PROTOCOL for entry in info), differs=tuple(differs),
+    )
+
+
+def _validate(rank: int, entry: Any) -> None:
+    kinds: List[Tuple[str, type]] = [("host", str), ("plane", str), ("protocol", int), ("ok", bool),
+                                     ("native", bool), ("f16", bool)]
+    kinds += [(field, int) for field, _ in _TUNING]
+    bad = [key for key, kind in kinds if not isinstance(entry, dict) or type(entry.get(key)) is not kind]
+    if not bad:
+        bad = [field for field, _ in _TUNING if entry[field] < 1]
+    if bad:
+        raise BackendUnavailableError(
+            f"rank {rank} of the group published a layout smddp cannot use (fields {', '.join(bad)}): "
+            f"is it running another smddp, or did something else write to the job's store?")
