@@ -45,7 +45,7 @@ AGREED = "1048576 1048576 32768 262144 1048576"  # slot, chunk, one-shot, thresh
 # ---------------------------------------------------------------------------- the rules
 def proposal(host: str, slot: int = 4 << 20, native: bool = True, **changes) -> dict:
     mine = layout.proposal("auto", True, native, native, {"slot": slot, "chunk": 1 << 20, "one_shot": 32 << 10,
-                                                          "hier_min": 256 << 10})
+                                                          "cma_min": 1 << 20, "hier_min": 256 << 10})
     mine.update(host=host, **changes)
     return mine
 
