@@ -142,7 +142,7 @@ def meet(ctx: Context, found: PlaneSettings) -> Context:
     offer = shm_cma.offer() if core and found.cma else None
     mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning,
                            cma=offer)
-    agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine, shm_cma.reaches)
+    agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine, shm_cma.refusal)
     topology = ctx.topology
     if topology.launcher == "explicit":
         # Rank and size came as arguments: no launcher counted this host's ranks; the group did.
@@ -199,6 +199,11 @@ def compose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str =
     if found.debug and comm.rank == 0:
         where = "" if group == "world" else f" of group {group!r}"
         print(f"smddp: CPU plane{where}: {comm.plane} ({why})", file=sys.stderr, flush=True)
+        if comm.plane == "shm":
+            host = agreed.mates.host
+            single = (f"from {agreed.cma_min_bytes} bytes" if agreed.cma[host] and agreed.native[host]
+                      else f"off ({agreed.cma_why[host] or 'the Python path'})")
+            print(f"smddp: single-copy all-reduce{where}: {single}", file=sys.stderr, flush=True)
     return comm
 
 

@@ -98,6 +98,7 @@ class Layout:
         native_f16: per host, whether every one of its ranks' cores reduces float16.
         cma: per host, whether its ranks run the single-copy all-reduce: each runs the compiled
             core, offered it, and read and wrote every host-mate's probe word.
+        cma_why: per host, why it does not ("" where it does).
         same_protocol: every rank speaks :data:`PROTOCOL`.
         differs: the knobs some rank set to another value than the layout's.
     """
@@ -113,6 +114,7 @@ class Layout:
     native: Tuple[bool, ...]
     native_f16: Tuple[bool, ...]
     cma: Tuple[bool, ...]
+    cma_why: Tuple[str, ...]
     same_protocol: bool
     differs: Tuple[str, ...]
 
@@ -148,7 +150,7 @@ def proposal(plane: str, shm: bool, native: bool, native_f16: bool, tuning: Mapp
 
 
 def agree(store, rank: int, size: int, mine: Mapping[str, Any],
-          reaches: Optional[Callable[[Mapping[str, int]], bool]] = None) -> Layout:
+          refusal: Optional[Callable[[Mapping[str, int]], str]] = None) -> Layout:
     """Publish ``mine`` (:func:`proposal`), read every rank's, and compute the group's layout.
 
     Args:
@@ -156,8 +158,8 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any],
         rank: this rank in the group.
         size: the group's size.
         mine: this rank's :func:`proposal`.
-        reaches: tests a host-mate's probe word for real
-            (:func:`smddp.comm.backends.shm_cma.reaches`); None: this rank reaches no one.
+        refusal: probes a host-mate's probe word for real: "" if this rank may read and write its
+            memory, else why not (:func:`smddp.comm.backends.shm_cma.refusal`); None: it may not.
 
     Raises:
         BackendUnavailableError: a rank published something that is not a proposal.
@@ -176,28 +178,44 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any],
     def every(key: str) -> Tuple[bool, ...]:
         return tuple(all(info[r][key] for r in members) for members in mates.hosts)
 
+    cma, cma_why = _vote(store, mates, refusal)
     return Layout(
         mates=mates, plane=first["plane"], slot=tuning["slot"], chunk_bytes=tuning["chunk"],
         one_shot_max=tuning["one_shot"], cma_min_bytes=tuning["cma_min"], hierarchical_min_bytes=tuning["hier_min"],
-        shm=every("ok"), native=every("native"), native_f16=every("f16"), cma=_vote(store, mates, reaches),
+        shm=every("ok"), native=every("native"), native_f16=every("f16"), cma=cma, cma_why=cma_why,
         same_protocol=all(entry["protocol"] == PROTOCOL for entry in info), differs=tuple(differs),
     )
 
 
-def _vote(store, mates: hostmates.Hostmates, reaches) -> Tuple[bool, ...]:
-    """Per host: may its ranks read and write each other's memory? On a host whose ranks all run the
-    core and offered it, each rank probes every host-mate and publishes its vote; a host's answer is
-    yes only if every vote is. Every rank reads the same votes, so every rank has the same answer;
-    where no host could, there is no round (every rank knows that from the proposals)."""
+def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...], Tuple[str, ...]]:
+    """Per host: may its ranks read and write each other's memory, and if not, why.
+
+    On a host whose ranks all run the core and offered it, each rank probes every host-mate and
+    publishes its vote; the host's answer is yes only if every vote is. Every rank reads the same
+    votes, so every rank has the same answer; where no host could, there is no round (every rank
+    knows that from the proposals).
+    """
     info = mates.info
-    could = [len(members) > 1 and all(info[r]["native"] and info[r]["cma"] for r in members)
-             for members in mates.hosts]
-    if could[mates.host]:
+    why = []
+    for members in mates.hosts:
+        core = [local for local, r in enumerate(members) if not info[r]["native"]]
+        offered = [local for local, r in enumerate(members) if not info[r]["cma"]]
+        why.append("one rank on the host" if len(members) < 2 else
+                   f"local rank {core[0]} does not run the compiled core" if core else
+                   f"local rank {offered[0]} offered none (SMDDP_SHM_CMA=0, or no cross-memory attach)"
+                   if offered else "")
+    if not why[mates.host]:
         me = mates.rank
-        yes = reaches is not None and all(reaches(info[r]["cma"]) for r in mates.ranks if r != me)
-        store.set(f"cma/{me}", "1" if yes else "0")
-    return tuple(could[h] and all(store.get(f"cma/{r}") == b"1" for r in members)
-                 for h, members in enumerate(mates.hosts))
+        refused = [(local, refusal(info[r]["cma"]) if refusal is not None else "no probe")
+                   for local, r in enumerate(mates.ranks) if r != me]
+        refused = [f"local rank {mates.local_rank} cannot read or write local rank {local}'s memory ({text})"
+                   for local, text in refused if text]
+        store.set(f"cma/{me}", "0" + refused[0] if refused else "1")
+    for h, members in enumerate(mates.hosts):
+        if not why[h]:
+            votes = (store.get(f"cma/{r}").decode(errors="replace") for r in members)
+            why[h] = next((vote[1:201] or "a rank voted no" for vote in votes if vote != "1"), "")
+    return tuple(not text for text in why), tuple(why)
 
 
 def _validate(rank: int, entry: Any) -> None:

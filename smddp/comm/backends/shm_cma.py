@@ -7,12 +7,13 @@ where one process may ptrace the other: the same user and group (or ``CAP_SYS_PT
 ``kernel.yama.ptrace_scope`` of 0 or 1 for related processes, a seccomp profile that lets the
 calls through (Docker's default refuses them without ``CAP_SYS_PTRACE``). So it is tried, never
 assumed: when a group is made each rank publishes :func:`offer` in its layout proposal, reads
-and writes back every host-mate's probe word with :func:`reaches`, and votes; a host takes the
+and writes back every host-mate's probe word with :func:`refusal`, and votes; a host takes the
 path only if every one of its ranks reached every other (:func:`smddp.comm.layout.agree`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, Mapping, Optional
 
@@ -43,10 +44,18 @@ def valid(entry: Any) -> bool:
             and all(type(entry[key]) is int and 0 <= entry[key] < limit for key, limit in _LIMITS.items()))
 
 
-def reaches(peer: Mapping[str, int]) -> bool:
-    """True if this process may read and write the memory of the host-mate that published ``peer``
-    (its :func:`offer`): a real read of its probe word, which must hold its token, and a write of
-    the same value back."""
-    if native is None or not native.HAVE_CMA or peer["pid"] == os.getpid():
-        return False
-    return native.probe(peer["pid"], peer["addr"], peer["token"]) == 0
+def refusal(peer: Mapping[str, int]) -> str:
+    """"" if this process may read and write the memory of the host-mate that published ``peer``
+    (its :func:`offer`), else why not: a real read of its probe word, which must hold its token,
+    and a write of the same value back."""
+    if native is None or not native.HAVE_CMA:
+        return "no cross-memory attach here"
+    if peer["pid"] == os.getpid():
+        return "the same process"
+    err = native.probe(peer["pid"], peer["addr"], peer["token"])
+    if err == errno.EINVAL:
+        return "its probe word holds another value: not the process that published it"
+    if err == errno.EPERM:
+        return ("Operation not permitted: the kernel allows it between processes of one user and group, "
+                "or with CAP_SYS_PTRACE, and Yama's ptrace_scope or a seccomp profile may refuse it too")
+    return os.strerror(err) if err else ""
