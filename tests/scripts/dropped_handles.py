@@ -22,8 +22,8 @@ from checklist import Checklist
 import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.base import Op
+from smddp.comm.engine.handle import DETACHABLE, Handle
 from smddp.torch import groups
-from smddp.torch._work import DetachedWork, detached_works
 
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
@@ -142,7 +142,7 @@ def work_collected_in_flight() -> None:
 def held_by_cpp() -> None:
     """Works that torch's API returned, handed to C++ and dropped by Python at once (DDP's forward
     does that with its ``join()`` all-reduce): C++ waits on each and reads its future."""
-    if not detached_works():
+    if not DETACHABLE:
         return  # this torch has no PythonCallbackWork: C++ would wait forever
     cases = []
     for numel in SIZES:
@@ -156,7 +156,7 @@ def held_by_cpp() -> None:
     gc.collect()
     for name, boxed, got, want in cases:
         work = tdist.Work.unbox(boxed)  # the C++ object: its Python object is gone
-        checklist.check(f"{name}: no Python object left", not isinstance(work, DetachedWork), type(work).__name__)
+        checklist.check(f"{name}: no Python object left", not isinstance(work, Handle), type(work).__name__)
         checklist.check(f"{name}: wait() from C++", work.wait() is True)
         check(name, got, want)
         check(f"{name}: its future, as DDP's reducer reads it", work.get_future().value()[0], want)

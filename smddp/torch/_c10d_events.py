@@ -1,0 +1,84 @@
+"""The events torch's dispatcher records for a process group's collective, for smddp's.
+
+Through a C++ backend (gloo, NCCL), a collective of ``torch.distributed`` passes torch's
+dispatcher, which records an event named after its operator (``c10d::allreduce_``,
+``c10d::broadcast_``, ...) with its arguments' shapes. smddp's ProcessGroup is Python: torch
+calls its methods directly, so :class:`~smddp.torch.process_group.SmddpProcessGroup` records
+the same events itself, with the same names and the same argument list (read from torch's
+own operator schema, so shapes line up with gloo's on every torch version). The backend's
+own event (``smddp:all_reduce``, as gloo's ``gloo:all_reduce``) is the engine's
+(:mod:`smddp.comm.engine.events`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["begin", "end"]
+
+_Fast = torch._C._profiler._RecordFunctionFast
+_arguments: Dict[str, Tuple[str, ...]] = {}
+_barrier_tensor: Optional[torch.Tensor] = None
+
+
+def _schema(op: str, given: Sequence[str]) -> Tuple[str, ...]:
+    """The argument names of torch's ``c10d::<op>`` (those given, where torch has no such op)."""
+    names = _arguments.get(op)
+    if names is None:
+        try:
+            names = tuple(a.name for a in getattr(torch.ops.c10d, op).default._schema.arguments)
+        except (AttributeError, RuntimeError):
+            names = tuple(given)
+        _arguments[op] = names
+    return names
+
+
+def _from_options(opts) -> dict:
+    values = {}
+    if opts is None:
+        return values
+    for field, name in (("rootRank", "root_rank"), ("rootTensor", "root_tensor"), ("asyncOp", "async_op")):
+        value = getattr(opts, field, None)
+        if value is not None:
+            values[name] = value
+    timeout = getattr(opts, "timeout", None)
+    if timeout is not None:
+        values["timeout"] = int(timeout.total_seconds() * 1000)
+    device_ids = getattr(opts, "device_ids", None)
+    if device_ids is not None:
+        values["device_ids"] = list(device_ids)
+    return values
+
+
+def begin(op: str, names: Sequence[str], args: tuple, opts=None):
+    """Start the event of ``c10d::<op>`` in this thread (call only while profiling).
+
+    Args:
+        op: torch's operator name without its namespace (``allreduce_``).
+        names: the schema's names of the method's positional arguments, in order; an
+            argument after them is the method's options.
+        args: the method's positional arguments.
+        opts: the method's options, when passed by keyword.
+
+    Returns:
+        The event, for :func:`end`.
+    """
+    global _barrier_tensor
+    values = dict(zip(names, args))
+    if opts is None and len(args) > len(names):
+        opts = args[len(names)]
+    values.update(_from_options(opts))
+    if op == "barrier":
+        if _barrier_tensor is None:  # torch's ProcessGroup::barrier passes a one-byte tensor
+            _barrier_tensor = torch.empty(1, dtype=torch.uint8)
+        values["tensor"] = _barrier_tensor
+    event = _Fast("c10d::" + op, [values.get(name) for name in _schema(op, names)])
+    event.__enter__()
+    return event
+
+
+def end(event) -> None:
+    """End an event from :func:`begin` (in the thread that began it)."""
+    event.__exit__(None, None, None)
