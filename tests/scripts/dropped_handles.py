@@ -141,7 +141,11 @@ def work_collected_in_flight() -> None:
 
 def held_by_cpp() -> None:
     """Works that torch's API returned, handed to C++ and dropped by Python at once (DDP's forward
-    does that with its ``join()`` all-reduce): C++ waits on each and reads its future."""
+    does that with its ``join()`` all-reduce): C++ waits on each and reads its future.
+
+    The engine holds a Work while its operation is in flight; once a later synchronous
+    collective has returned (issue order: every one before it is done), nothing holds it.
+    """
     if not DETACHABLE:
         return  # this torch has no PythonCallbackWork: C++ would wait forever
     cases = []
@@ -153,6 +157,7 @@ def held_by_cpp() -> None:
         boxed = tdist.all_gather_into_tensor(out, value(rank, numel, torch.float32, 101), async_op=True).boxed()
         cases.append((f"all_gather_into_tensor held by C++ {numel}", boxed, out,
                       torch.cat([value(r, numel, torch.float32, 101) for r in range(size)])))
+    tdist.all_reduce(torch.zeros(1))
     gc.collect()
     for name, boxed, got, want in cases:
         work = tdist.Work.unbox(boxed)  # the C++ object: its Python object is gone

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from weakref import ref as _weakref
 
 import torch
 
@@ -182,7 +183,9 @@ class Engine(Health):
         finally:
             self._start_lock.release()
         if async_op:
-            self._last_handle = handle
+            # Weakly: the handle is the caller's Work, which the engine must not keep alive
+            # once it is done (while in flight, _inflight holds it).
+            self._last_handle, self._last_async = _weakref(handle), seq
             return handle
         self._last_start = time.monotonic()
         if handle is not None:
