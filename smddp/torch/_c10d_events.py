@@ -47,7 +47,7 @@ def _from_options(opts) -> dict:
     if timeout is not None:
         values["timeout"] = int(timeout.total_seconds() * 1000)
     device_ids = getattr(opts, "device_ids", None)
-    if device_ids is not None:
+    if device_ids:  # an empty list has no type for the profiler, and would drop out of the event
         values["device_ids"] = list(device_ids)
     return values
 

@@ -22,6 +22,7 @@ queries all wait through it.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
@@ -131,7 +132,16 @@ class _Waiter:
     def __call__(self, timeout) -> bool:
         handle = self.handle
         if handle is not None:
-            handle.wait(timeout)
+            try:
+                handle.wait(timeout)
+            except WaitTimeout:
+                raise
+            except BaseException as exc:
+                handle._complete_cpp_future(exc)
+                raise
+            # Before torch marks the C++ half completed (and its future, with no value, if
+            # the engine has not settled it yet: a race with the thread that completed it).
+            handle._complete_cpp_future(None)
         elif self.error is not None:
             raise self.error
         return True
@@ -303,15 +313,26 @@ class Handle(_WorkBase):
 
         Called once by the engine, outside its lock, after the done-callbacks.
         """
-        if _CallbackWork is not None:
+        if _CallbackWork is None:
+            return
+        try:
             self._settle_cpp(self.exception())
+        except Exception as exc:  # noqa: BLE001 - never the progress thread's end
+            print(f"smddp: settling {self.op_name} (sequence number {self.seq}) failed: {exc!r}", file=sys.stderr)
 
-    def _settle_cpp(self, error: Optional[BaseException]) -> None:
+    def _complete_cpp_future(self, error: Optional[BaseException]) -> None:
+        """Complete the C++ half's future with the result (or ``error``), unless it is already."""
         future = _cpp_future(self)
         if not future.done():
-            # An error travels as a value: a Python error that C++ raised from the future (and
-            # so from every reader of it) would be raised twice from C++, which ends the process.
-            future.set_result(self._result if error is None else _Failed(error))
+            try:
+                # An error travels as a value: a Python error that C++ raised from the future (and
+                # so from every reader of it) would be raised twice from C++, which ends the process.
+                future.set_result(self._result if error is None else _Failed(error))
+            except RuntimeError:  # a C++ wait() in another thread completed it first
+                pass
+
+    def _settle_cpp(self, error: Optional[BaseException]) -> None:
+        self._complete_cpp_future(error)
         waiter = self._waiter
         if waiter is not None:
             waiter.handle, waiter.error = None, error
