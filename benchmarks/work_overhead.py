@@ -9,10 +9,10 @@ One process, a world of 1 (``init_process_group("smddp")`` on a loopback store),
 moves no data and what is timed is the glue: torch's Python API, smddp's ProcessGroup, the
 ``Work`` it returns and the engine. Contenders, on a 1024-element float32 tensor:
 
-- ``sync``: ``torch.distributed.all_reduce(t)``;
-- ``async``: ``torch.distributed.all_reduce(t, async_op=True).wait()``: its ``Work`` is a
-  ``DetachedWork`` (one C++ may keep and wait on after Python has dropped it), where the
-  reducer's calls get a plain ``Work``;
+- ``sync``: ``torch.distributed.all_reduce(t)`` (torch >= 2.8 passes ``asyncOp=False`` and
+  takes ``None`` back: the engine's synchronous path, no ``Work``);
+- ``async``: ``torch.distributed.all_reduce(t, async_op=True).wait()``: its ``Work`` is the
+  engine's handle, settled as it is made (C++ may keep it after Python has dropped it);
 - ``async-broadcast``: ``torch.distributed.broadcast(t, 0, async_op=True).wait()``.
 
 Each round times ``--iters`` calls of each contender in turn and keeps the mean per call; the

@@ -208,7 +208,7 @@ class DistributedDataParallel(_TorchDDP):
 
         Raises:
             InvalidArgumentError: ``divide_by_initial_world_size=False`` on a torch without
-                ``PythonCallbackWork`` (torch 2.13 has it), before anything is sent: there torch's
+                ``PythonCallbackWork`` (torch 2.10 and later), before anything is sent: there torch's
                 reducer would wait forever on the ``Work`` of the forward's all-reduce once Python
                 has dropped it (see :mod:`smddp.comm.engine.handle`).
         """
