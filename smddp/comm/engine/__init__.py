@@ -46,7 +46,7 @@ from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.checks import Checks, check_writable
-from smddp.comm.engine.handle import Handle, poll
+from smddp.comm.engine.handle import Handle, poll, settle, settle_on_device
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.stall import labelled
 from smddp.errors import CollectiveError, CollectiveMismatchError, InvalidArgumentError, InvalidTypeError
@@ -91,7 +91,7 @@ class Engine(Health):
         # handles' state, and lets one thread at a time test Pendings.
         self._inflight: List[Handle] = []
         self._cv = threading.Condition()
-        # Done stream-ordered operations whose C++ half waits for their device (see _settle).
+        # Done stream-ordered operations whose C++ half waits for their device (handle.settle).
         self._on_device: List[Handle] = []
         # Pendings that failed or timed out while the library may still hold their buffers.
         self._abandoned: List[Pending] = []
@@ -144,7 +144,7 @@ class Engine(Health):
             A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.
         """
         if profile and _profiling():
-            return self._run_profiled(op_name, start, async_op, check, args, inputs, result)
+            return _events.profiled(self, op_name, start, async_op, check, args, inputs, result)
         # Ranks must start collectives in the same order: numbering and starting happen
         # together, under one lock, whichever thread calls. acquire() and release(): cheaper
         # than `with`, on the path of every small collective.
@@ -194,20 +194,6 @@ class Engine(Health):
             self._wait_inline(seq, op_name, pending)
         self._done_seq = seq
         return None
-
-    def _run_profiled(self, op_name, start, async_op, check, args, inputs, result) -> Optional[Handle]:
-        """:meth:`run`, with the collective's event for torch's profiler, from start to completion."""
-        event = _events.begin(op_name, inputs)
-        try:
-            handle = self.run(op_name, start, async_op, check, args, inputs, result, False)
-        except BaseException:
-            _events.end(event)
-            raise
-        if handle is None or handle._done:
-            _events.end(event)
-        else:
-            _events.end_on(event, handle._completion())
-        return handle
 
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective, nothing else in flight, in the caller's thread.
@@ -375,7 +361,7 @@ class Engine(Health):
         issued before it is done; once one fails, the collectives after it fail too (the ranks
         are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
         run after the lock is released, in issue order; then each handle is settled (what C++
-        sees of it completes: see :meth:`_settle`).
+        sees of it completes: :func:`~smddp.comm.engine.handle.settle`).
         """
         finished: List[Handle] = []
         settled: List[Handle] = []  # done, no callbacks to run
@@ -426,41 +412,9 @@ class Engine(Health):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
             handle._done = True
-            self._settle(handle)
+            settle(self, handle)
         for handle in settled:
-            self._settle(handle)
-
-    def _settle(self, handle: Handle) -> None:
-        """Complete what C++ sees of a done ``handle``: its future and its completion.
-
-        A stream-ordered operation (NCCL) is done as it is enqueued, and its C++ future carries
-        no CUDA events for a reader's stream to wait on: that half is settled once the device
-        has finished the operation, which the progress thread polls (:meth:`_settle_on_device`).
-        """
-        if handle._pending.query is None:
-            handle._settle()
-            return
-        with self._cv:
-            self._on_device.append(handle)
-            self._cv.notify()
-
-    def _settle_on_device(self) -> None:
-        """Settle the stream-ordered handles whose device has finished them (progress thread)."""
-        with self._cv:
-            waiting, self._on_device = self._on_device, []
-        later = []
-        for handle in waiting:
-            try:
-                finished = handle._pending.query()
-            except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
-                finished = True
-            if finished:
-                handle._settle()
-            else:
-                later.append(handle)
-        if later:
-            with self._cv:
-                self._on_device[:0] = later
+            settle(self, handle)
 
     def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
         """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
@@ -502,7 +456,7 @@ class Engine(Health):
                     return
             self._poll()
             if self._on_device:
-                self._settle_on_device()
+                settle_on_device(self)
             time.sleep(2e-5)
 
     def _drain(self) -> bool:

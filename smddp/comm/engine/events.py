@@ -14,11 +14,14 @@ With no profiler active in the calling thread this costs one C call per collecti
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-__all__ = ["active", "begin", "end", "end_on", "name_of"]
+if TYPE_CHECKING:
+    from smddp.comm.engine import Engine
+
+__all__ = ["active", "begin", "end", "end_on", "name_of", "profiled"]
 
 #: True while torch's profiler records in the calling thread (one C call).
 active = torch._C._autograd._profiler_enabled
@@ -58,3 +61,22 @@ def end_on(event: object, future: torch.futures.Future) -> None:
         future: completed when the collective is (a handle's C++ future).
     """
     torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction(event, future)
+
+
+def profiled(engine: Engine, op_name: str, start, async_op: bool, check, args: tuple, inputs, result):
+    """``engine.run(...)`` with the collective's event, from its start to its completion.
+
+    Returns:
+        What :meth:`Engine.run <smddp.comm.engine.Engine.run>` returns.
+    """
+    event = begin(op_name, inputs)
+    try:
+        handle = engine.run(op_name, start, async_op, check, args, inputs, result, False)
+    except BaseException:
+        end(event)
+        raise
+    if handle is None or handle._done:
+        end(event)
+    else:
+        end_on(event, handle._completion())
+    return handle

@@ -35,7 +35,7 @@ from smddp.errors import WaitTimeout
 if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
-__all__ = ["DETACHABLE", "Handle", "poll"]
+__all__ = ["DETACHABLE", "Handle", "poll", "settle", "settle_on_device"]
 
 _C10D = torch._C._distributed_c10d
 #: torch's C++ Work whose ``wait()`` calls a Python function (torch >= 2.10), or None.
@@ -397,6 +397,40 @@ class Handle(_WorkBase):
         self._finished = True
         # The library may still hold the buffers' addresses: they live as long as the engine.
         self._engine._abandoned.append(self._pending)
+
+
+def settle(engine: Engine, handle: Handle) -> None:
+    """Complete what C++ sees of ``handle``, done: its future and its completion.
+
+    A stream-ordered operation (NCCL) is done as it is enqueued, and its C++ future carries no
+    CUDA events for a reader's stream to wait on: that half is settled once the device has
+    finished the operation, which the engine's progress thread polls (:func:`settle_on_device`).
+    """
+    if handle._pending.query is None:
+        handle._settle()
+        return
+    with engine._cv:
+        engine._on_device.append(handle)
+        engine._cv.notify()
+
+
+def settle_on_device(engine: Engine) -> None:
+    """Settle the stream-ordered handles whose device has finished them (the progress thread)."""
+    with engine._cv:
+        waiting, engine._on_device = engine._on_device, []
+    later = []
+    for handle in waiting:
+        try:
+            finished = handle._pending.query()
+        except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
+            finished = True
+        if finished:
+            handle._settle()
+        else:
+            later.append(handle)
+    if later:
+        with engine._cv:
+            engine._on_device[:0] = later
 
 
 class _Failed:
