@@ -159,7 +159,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         task = _graph_task()
         label = None if task == -1 else _DDP_GRADIENTS
-        if not _wants_work(opts):
+        if _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True):  # _wants_work, inline
             self.engine.all_reduce(tensor, op, False, label)
             return None
         handle = self.engine.all_reduce(tensor, op, True, label)

@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
-from weakref import ref as _weakref
 
 import torch
 
@@ -183,9 +182,12 @@ class Engine(Health):
         finally:
             self._start_lock.release()
         if async_op:
-            # Weakly: the handle is the caller's Work, which the engine must not keep alive
-            # once it is done (while in flight, _inflight holds it).
-            self._last_handle, self._last_async = _weakref(handle), seq
+            # The handle is the caller's Work, which the engine must not keep alive once it
+            # is done: _poll forgets it as it completes.
+            if handle._done:
+                self._last_handle, self._done_seq = None, seq
+            else:
+                self._last_handle = handle
             return handle
         self._last_start = time.monotonic()
         if handle is not None:
@@ -233,7 +235,7 @@ class Engine(Health):
             comm = self.checks.comm_for(tensor)
         check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
         name = "all_reduce" if label is None else labelled("all_reduce", label)
-        inputs = (tensor,)
+        inputs = [tensor]
         if result is None:
             result = inputs
         if tensor.is_contiguous() and not tensor.requires_grad:  # checks.buffer's common case, inline
@@ -415,6 +417,9 @@ class Engine(Health):
             settle(self, handle)
         for handle in settled:
             settle(self, handle)
+        latest = self._last_handle
+        if latest is not None and latest._done and self._last_handle is latest:
+            self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
 
     def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
         """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.

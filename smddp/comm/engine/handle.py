@@ -130,12 +130,14 @@ class _Waiter:
         self.error: Optional[BaseException] = None
 
     def __call__(self, timeout) -> bool:
+        """Wait for the operation (at most ``timeout``); False if that passed first."""
         handle = self.handle
         if handle is not None:
             try:
                 handle.wait(timeout)
             except WaitTimeout:
-                raise
+                # Not completed yet: an error here would make torch finish the C++ half with it.
+                return False
             except BaseException as exc:
                 handle._complete_cpp_future(exc)
                 raise
@@ -183,19 +185,21 @@ class Handle(_WorkBase):
         self._finished = done  # the Pending has completed (or failed): guarded by the engine's lock
         self._done = done  # ... and every collective issued before this one is done
         self._error: Optional[BaseException] = None
-        self._callbacks: Optional[List[Callable[[Handle], None]]] = [] if not done else None
-        self.deadline = time.monotonic() + engine.timeout
+        self._callbacks: Optional[List[Callable[[Handle], None]]] = None if done else []
+        self.deadline = time.monotonic() + engine.timeout if not done else 0.0
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
         self.ordered = ordered
         #: Collectives issued just before this one that it stands for (a coalesced call,
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
         self.covers: Sequence[Handle] = ()
-        self._result = result if isinstance(result, list) else list(result)
+        self._result = result if result.__class__ is list else list(result)
         self._future: Optional[torch.futures.Future] = None
         #: A receive's sender: a function returning its rank once the receive completed.
         self.source: Optional[Callable[[], int]] = None
         if done and _CallbackWork is not None:
-            self._settle_cpp(None)
+            # Settled as it is made: the C++ future holds the result, the C++ half is completed.
+            _cpp_future(self).set_result(self._result)
+            _cpp_wait(self, _NO_TIMEOUT)
 
     # ------------------------------------------------------------------ torch's Work
     def is_completed(self) -> bool:

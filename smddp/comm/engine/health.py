@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import smddp.comm.engine.stall as _stall
 from smddp import _excepthook
@@ -42,8 +42,9 @@ class Health:
         self._last_op = ""  # the name of collective number self.seq
         self._last_start = 0.0  # time.monotonic() when the latest synchronous one started
         self._done_seq = 0  # the latest synchronous collective that completed
-        self._last_handle: Optional[Callable[[], Optional[Handle]]] = None  # the latest asynchronous one, weakly
-        self._last_async = 0  # ... and its sequence number
+        # The latest asynchronous one while in flight (the engine forgets it once done: it is the
+        # caller's Work); _done_seq then counts it.
+        self._last_handle: Optional[Handle] = None
         self._end_note: Optional[dict] = None  # set when the script ends
         self._statuses: Optional[dict] = None  # the other ranks' answers, asked once
         self._report_lock = threading.Lock()
@@ -147,12 +148,9 @@ class Health:
 
     def status(self) -> _stall.Status:
         """Where this rank is: its latest collective, whether it finished, how long ago it started."""
-        seq, op_name, latest = self.seq, self._last_op, self._last_handle
-        handle = None if latest is None or self._last_async != seq else latest()
-        if handle is not None:
+        seq, op_name, handle = self.seq, self._last_op, self._last_handle
+        if handle is not None and handle.seq == seq:
             done, started = handle._done, handle.deadline - self.timeout
-        elif latest is not None and self._last_async == seq:  # collected: done (the engine holds those in flight)
-            done, started = True, self._last_start
         else:
             done, started = self._done_seq >= seq, self._last_start
         state = "broken" if self._broken is not None else "running"
