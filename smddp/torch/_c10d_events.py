@@ -52,33 +52,43 @@ def _from_options(opts) -> dict:
     return values
 
 
-def begin(op: str, names: Sequence[str], args: tuple, opts=None):
+#: A method's parameter name to the name torch's operator schema gives it, where they differ.
+_RENAMED = {"dstRank": "dst", "srcRank": "src"}
+_RENAMED_IN = {
+    "_allgather_base_": {"output": "output_tensor", "input": "input_tensor"},
+    "_reduce_scatter_base_": {"output": "output_tensor", "input": "input_tensor"},
+    "allgather_coalesced_": {"input_tensors": "input_list"},
+}
+
+
+def begin(op: str, params: dict):
     """Start the event of ``c10d::<op>`` in this thread (call only while profiling).
+
+    The event ends when the object returned is released: a method that keeps it in a local
+    variable records its whole body, whichever way it returns.
 
     Args:
         op: torch's operator name without its namespace (``allreduce_``).
-        names: the schema's names of the method's positional arguments, in order; an
-            argument after them is the method's options.
-        args: the method's positional arguments.
-        opts: the method's options, when passed by keyword.
+        params: the method's arguments by name (its ``locals()`` as it starts); ``opts``, its
+            options, gives the options the schema lists (root rank, timeout, ...).
 
     Returns:
-        The event, for :func:`end`.
+        The event.
     """
     global _barrier_tensor
-    values = dict(zip(names, args))
-    if opts is None and len(args) > len(names):
-        opts = args[len(names)]
-    values.update(_from_options(opts))
+    renamed = _RENAMED_IN.get(op, _RENAMED)
+    values = {renamed.get(name, _RENAMED.get(name, name)): value for name, value in params.items()
+              if name not in ("self", "opts")}
+    values.update(_from_options(params.get("opts")))
     if op == "barrier":
         if _barrier_tensor is None:  # torch's ProcessGroup::barrier passes a one-byte tensor
             _barrier_tensor = torch.empty(1, dtype=torch.uint8)
         values["tensor"] = _barrier_tensor
-    event = _Fast("c10d::" + op, [values.get(name) for name in _schema(op, names)])
+    event = _Fast("c10d::" + op, [values.get(name) for name in _schema(op, values)])
     event.__enter__()
     return event
 
 
 def end(event) -> None:
-    """End an event from :func:`begin` (in the thread that began it)."""
+    """End an event from :func:`begin` now (in the thread that began it)."""
     event.__exit__(None, None, None)

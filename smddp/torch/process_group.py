@@ -84,26 +84,6 @@ def _wants_work(opts) -> bool:
     return not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True)
 
 
-def _c10d(op: str, *names: str):
-    """Record the method as torch's dispatcher records ``c10d::<op>`` (only while profiling).
-
-    ``names``: the schema's names of the method's positional arguments before ``opts``.
-    """
-    def wrap(method):
-        def call(self, *args, **kwargs):
-            if not _profiling():
-                return method(self, *args, **kwargs)
-            event = _c10d_events.begin(op, names, args, kwargs.get("opts"))
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                _c10d_events.end(event)
-
-        call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
-        return call
-    return wrap
-
-
 class SmddpProcessGroup(tdist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`.
 
@@ -149,8 +129,9 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             self._on_shutdown(self)
 
     # collectives torch calls by these names
-    @_c10d("allreduce_", "tensors")
     def allreduce(self, tensors, opts=None):
+        # Under torch.profiler, the dispatcher's event: held by this local, it ends on return.
+        _event = _c10d_events.begin("allreduce_", locals()) if _profiling() else None
         tensor = _single(tensors, "allreduce")
         if tensor.is_sparse:
             # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
@@ -188,79 +169,79 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def _finish_backward(self, task: int) -> None:
         self.engine.finish(self._backward_handles.pop(task, ()), _FINISH_SECONDS)
 
-    @_c10d("broadcast_", "tensors")
     def broadcast(self, tensors, opts=None):
+        _event = _c10d_events.begin("broadcast_", locals()) if _profiling() else None
         tensor = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         return self.engine.broadcast(tensor, root, _wants_work(opts))
 
-    @_c10d("allgather_", "output_tensors", "input_tensors")
     def allgather(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("allgather_", locals()) if _profiling() else None
         tensor = _single(input_tensors, "allgather")
         outputs = _single(output_tensors, "allgather")
         return self.engine.all_gather(outputs, tensor, _wants_work(opts))
 
-    @_c10d("_allgather_base_", "output_tensor", "input_tensor")
     def _allgather_base(self, output, input, opts=None):
+        _event = _c10d_events.begin("_allgather_base_", locals()) if _profiling() else None
         return self.engine.all_gather_into_tensor(output, input, _wants_work(opts))
 
-    @_c10d("alltoall_base_", "output", "input", "output_split_sizes", "input_split_sizes")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        _event = _c10d_events.begin("alltoall_base_", locals()) if _profiling() else None
         return self.engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes, _wants_work(opts))
 
     all_to_all_single = alltoall_base
 
-    @_c10d("barrier")
     def barrier(self, opts=None):
+        _event = _c10d_events.begin("barrier", locals()) if _profiling() else None
         return self.engine.barrier(_wants_work(opts))
 
     # the rest of torch's ProcessGroup, built in smddp.comm.algorithms.derived
     all_gather_single = _allgather_base  # torch >= 2.13 calls it by this name
 
-    @_c10d("_reduce_scatter_base_", "output_tensor", "input_tensor")
     def _reduce_scatter_base(self, output, input, opts=None):
+        _event = _c10d_events.begin("_reduce_scatter_base_", locals()) if _profiling() else None
         return derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts))
 
     reduce_scatter_single = _reduce_scatter_base
 
-    @_c10d("reduce_scatter_", "output_tensors", "input_tensors")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("reduce_scatter_", locals()) if _profiling() else None
         output = _single(output_tensors, "reduce_scatter")
         inputs = _single(input_tensors, "reduce_scatter")
         return derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts))
 
-    @_c10d("reduce_", "tensors")
     def reduce(self, tensors, opts=None):
+        _event = _c10d_events.begin("reduce_", locals()) if _profiling() else None
         tensor = _single(tensors, "reduce")
         self.engine.checks.rank_arg(opts.rootRank if opts is not None else 0, "dst")
         return derived.reduce(self.engine, tensor, _reduce_op(opts))
 
-    @_c10d("gather_", "output_tensors", "input_tensors")
     def gather(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("gather_", locals()) if _profiling() else None
         tensor = _single(input_tensors, "gather")
         outputs = _single(output_tensors, "gather") if output_tensors else []
         root = opts.rootRank if opts is not None else 0
         return derived.gather(self.engine, outputs, tensor, root)
 
-    @_c10d("scatter_", "output_tensors", "input_tensors")
     def scatter(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("scatter_", locals()) if _profiling() else None
         tensor = _single(output_tensors, "scatter")
         inputs = _single(input_tensors, "scatter") if input_tensors else []
         root = opts.rootRank if opts is not None else 0
         return derived.scatter(self.engine, tensor, inputs, root)
 
-    @_c10d("alltoall_", "output_tensors", "input_tensors")
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("alltoall_", locals()) if _profiling() else None
         return derived.all_to_all(self.engine, output_tensors, input_tensors)
 
-    @_c10d("allreduce_coalesced_", "tensors")
     def allreduce_coalesced(self, tensors, opts=None):
+        _event = _c10d_events.begin("allreduce_coalesced_", locals()) if _profiling() else None
         op, engine = _reduce_op(opts), self.engine
         return derived.each(engine, lambda t, result=None: engine.all_reduce(t, op, True, None, result), tensors,
                             result=list(tensors))
 
-    @_c10d("allgather_coalesced_", "output_lists", "input_list")
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        _event = _c10d_events.begin("allgather_coalesced_", locals()) if _profiling() else None
         # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
         _check_gather_coalesced(output_lists, input_tensors, self.size())
         per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
@@ -268,16 +249,16 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         return derived.each(engine, lambda out, t, result=None: engine.all_gather(out, t, True, result),
                             per_tensor, input_tensors, result=list(output_lists))
 
-    @_c10d("allgather_into_tensor_coalesced_", "outputs", "inputs")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        _event = _c10d_events.begin("allgather_into_tensor_coalesced_", locals()) if _profiling() else None
         engine = self.engine
         return derived.each(engine, lambda out, t, result=None: engine.all_gather_into_tensor(out, t, True, result),
                             outputs, inputs, result=list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    @_c10d("reduce_scatter_tensor_coalesced_", "outputs", "inputs")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        _event = _c10d_events.begin("reduce_scatter_tensor_coalesced_", locals()) if _profiling() else None
         op, engine = _reduce_op(opts), self.engine
         return derived.each(
             engine, lambda out, t, result=None: derived.reduce_scatter_tensor(engine, out, t, op, result),
@@ -286,24 +267,24 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # point-to-point: the communicator's own, else the device's torch-native backend
-    @_c10d("send", "tensors", "dst", "tag")
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
+        _event = _c10d_events.begin("send", locals()) if _profiling() else None
         tensor = _single(tensors, "send")
         try:
             return derived.send(self.engine, tensor, dstRank, tag)
         except BackendUnavailableError:
             return self._native(tensor, "send").send(tensors, dstRank, tag)
 
-    @_c10d("recv_", "tensors", "src", "tag")
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
+        _event = _c10d_events.begin("recv_", locals()) if _profiling() else None
         tensor = _single(tensors, "recv")
         try:
             return derived.recv(self.engine, tensor, srcRank, tag)[0]
         except BackendUnavailableError:
             return self._native(tensor, "recv").recv(tensors, srcRank, tag)
 
-    @_c10d("recv_any_source_", "tensors", "tag")
     def recv_anysource(self, tensors, tag=0):
+        _event = _c10d_events.begin("recv_any_source_", locals()) if _profiling() else None
         tensor = _single(tensors, "recv")
         try:
             return derived.recv(self.engine, tensor, None, tag)[0]

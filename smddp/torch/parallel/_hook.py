@@ -81,7 +81,7 @@ def allreduce_hook(engine, bucket) -> torch.futures.Future:
 
         return default_hooks.allreduce_hook(None, bucket)
     # torch's reducer would call the group's allreduce here: the profiler sees the same event.
-    event = _c10d_events.begin("allreduce_", ("tensors",), ([buffer],)) if _profiling() else None
+    event = _c10d_events.begin("allreduce_", {"tensors": [buffer]}) if _profiling() else None
     try:
         engine.all_reduce(buffer, Op.AVERAGE, label=_labels.all_reduce_label())
     finally:
