@@ -140,7 +140,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         task = _graph_task()
         label = None if task == -1 else _DDP_GRADIENTS
-        if _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True):  # _wants_work, inline
+        if _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True):  # not _wants_work(opts), inline
             self.engine.all_reduce(tensor, op, False, label)
             return None
         handle = self.engine.all_reduce(tensor, op, True, label)
@@ -173,13 +173,13 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         _event = _c10d_events.begin("broadcast_", locals()) if _profiling() else None
         tensor = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
-        return self.engine.broadcast(tensor, root, _wants_work(opts))
+        return self.engine.broadcast(tensor, root, not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         _event = _c10d_events.begin("allgather_", locals()) if _profiling() else None
         tensor = _single(input_tensors, "allgather")
         outputs = _single(output_tensors, "allgather")
-        return self.engine.all_gather(outputs, tensor, _wants_work(opts))
+        return self.engine.all_gather(outputs, tensor, not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True))
 
     def _allgather_base(self, output, input, opts=None):
         _event = _c10d_events.begin("_allgather_base_", locals()) if _profiling() else None

@@ -167,7 +167,7 @@ class Engine(Health):
             except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-                raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+                raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
             handle = None
             if self._inflight:
                 # A collective behind asynchronous ones completes after them.
@@ -212,7 +212,7 @@ class Engine(Health):
             self._interrupted(seq, op_name)
             raise
         except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-            raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+            raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
         pending.waited()  # a stream-ordered operation orders the caller's stream
 
     # ------------------------------------------------------------------ collectives

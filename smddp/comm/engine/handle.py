@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import Pending
+from smddp.comm.base import DONE, Pending
 from smddp.errors import WaitTimeout
 
 if TYPE_CHECKING:
@@ -172,12 +172,8 @@ class Handle(_WorkBase):
     def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True,
                  result: Sequence = (), done: bool = False):
         # The base's __init__ named, not super()'s lookup: on the path of every collective.
-        if _CallbackWork is not None:
-            self._waiter = None if done else _Waiter(self)
-            _CallbackWork.__init__(self, _settled if done else self._waiter)
-        else:
-            _WorkBase.__init__(self)
-            self._waiter = None
+        # A handle born done sets only what is read of a done one (the hot path of torch's
+        # asynchronous calls); the rest is read only while in flight, or through getattr.
         self._engine = engine
         self.seq = seq
         self.op_name = op_name
@@ -185,21 +181,29 @@ class Handle(_WorkBase):
         self._finished = done  # the Pending has completed (or failed): guarded by the engine's lock
         self._done = done  # ... and every collective issued before this one is done
         self._error: Optional[BaseException] = None
-        self._callbacks: Optional[List[Callable[[Handle], None]]] = None if done else []
-        self.deadline = time.monotonic() + engine.timeout if not done else 0.0
-        #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
-        self.ordered = ordered
         #: Collectives issued just before this one that it stands for (a coalesced call,
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
         self.covers: Sequence[Handle] = ()
         self._result = result if result.__class__ is list else list(result)
-        self._future: Optional[torch.futures.Future] = None
-        #: A receive's sender: a function returning its rank once the receive completed.
-        self.source: Optional[Callable[[], int]] = None
-        if done and _CallbackWork is not None:
-            # Settled as it is made: the C++ future holds the result, the C++ half is completed.
-            _cpp_future(self).set_result(self._result)
-            _cpp_wait(self, _NO_TIMEOUT)
+        if done:
+            if _CallbackWork is not None:
+                _CallbackWork.__init__(self, _settled)
+                # Settled as it is made: the C++ future holds the result, the C++ half is completed.
+                _cpp_future(self).set_result(self._result)
+                _cpp_wait(self, _NO_TIMEOUT)
+            else:
+                _WorkBase.__init__(self)
+            return
+        if _CallbackWork is not None:
+            self._waiter: Optional[_Waiter] = _Waiter(self)
+            _CallbackWork.__init__(self, self._waiter)
+        else:
+            _WorkBase.__init__(self)
+            self._waiter = None
+        self._callbacks: Optional[List[Callable[[Handle], None]]] = []
+        self.deadline = time.monotonic() + engine.timeout
+        #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
+        self.ordered = ordered
 
     # ------------------------------------------------------------------ torch's Work
     def is_completed(self) -> bool:
@@ -245,7 +249,8 @@ class Handle(_WorkBase):
         error = self.exception() if self.covers else self._error
         if error is not None:
             raise error
-        self._pending.waited()
+        if self._pending is not DONE:
+            self._pending.waited()
         return True
 
     def is_success(self) -> bool:
@@ -270,7 +275,7 @@ class Handle(_WorkBase):
         the operation is enqueued, with an event recorded after it, so its value is ready for
         every kernel queued after ``wait()`` or in ``then()`` callbacks.
         """
-        if self._future is None:
+        if getattr(self, "_future", None) is None:
             devices = sorted({t.device for t in self._tensors() if t.is_cuda}, key=str)
             if _CallbackWork is not None and not devices:
                 # The C++ half's future, which the engine completes (an error as a _Failed value:
@@ -285,7 +290,7 @@ class Handle(_WorkBase):
         return _cpp_future(self) if _CallbackWork is not None else self.get_future()
 
     def _source_rank(self) -> int:
-        """A receive's sender (torch's ``recv(src=None)``)."""
+        """A receive's sender (torch's ``recv(src=None)``; set by the receive as ``source``)."""
         self.wait()
         return self.source()
 
