@@ -259,7 +259,8 @@ class Engine(Health):
             return then(pending, after)
 
         check = None if self._debug is None else ("broadcast", None, tensor, src)
-        return self.run("broadcast", start, async_op, check, (), (tensor,), (tensor,))
+        inputs = [tensor]
+        return self.run("broadcast", start, async_op, check, (), inputs, inputs)
 
     def all_gather(
         self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False,
@@ -305,8 +306,8 @@ class Engine(Health):
             return then(comm.all_gather(out, src, seq), after)
 
         check = None if self._debug is None else ("all_gather", None, input)
-        return self.run("all_gather_into_tensor", start, async_op, check, (), (input,),
-                        (output,) if result is None else result)
+        return self.run("all_gather_into_tensor", start, async_op, check, (), [input],
+                        [output] if result is None else result)
 
     def all_to_all_single(
         self,
@@ -329,7 +330,7 @@ class Engine(Health):
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))
-        return self.run("all_to_all_single", start, async_op, check, (), (input,), (output,))
+        return self.run("all_to_all_single", start, async_op, check, (), [input], [output])
 
     def barrier(self, async_op: bool = False) -> Optional[Handle]:
         """Complete once every rank has entered the barrier."""

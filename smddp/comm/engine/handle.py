@@ -178,8 +178,7 @@ class Handle(_WorkBase):
         self.seq = seq
         self.op_name = op_name
         self._pending = pending
-        self._finished = done  # the Pending has completed (or failed): guarded by the engine's lock
-        self._done = done  # ... and every collective issued before this one is done
+        self._done = done  # the operation and every collective issued before it are done
         self._error: Optional[BaseException] = None
         #: Collectives issued just before this one that it stands for (a coalesced call,
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
@@ -200,6 +199,7 @@ class Handle(_WorkBase):
         else:
             _WorkBase.__init__(self)
             self._waiter = None
+        self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
         self._callbacks: Optional[List[Callable[[Handle], None]]] = []
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
