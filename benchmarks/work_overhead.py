@@ -84,8 +84,10 @@ def _run_tree(tree: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(HERE, "work_overhead.py"), "--iters", str(args.iters),
            "--rounds", str(args.rounds), "--clock", args.clock, "--json", "-"]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600).stdout
-    return json.loads(out.splitlines()[-1])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main(argv=None) -> None:
