@@ -16,6 +16,7 @@ from smddp.errors import (
     NotInitializedError,
     SMDDPError,
     UnsafePathError,
+    WaitTimeout,
 )
 
 __version__ = "0.1.0"
@@ -32,4 +33,5 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeout",
+    "WaitTimeout",
 ]

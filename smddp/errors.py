@@ -52,6 +52,14 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within the process group's timeout."""
 
 
+class WaitTimeout(CollectiveTimeout):
+    """A ``Work.wait(timeout)`` passed before its collective completed.
+
+    The collective stays in flight and the job is not broken: a later ``wait()`` may see it
+    complete (torch's semantics for a wait's own timeout).
+    """
+
+
 __all__ = [
     "SMDDPError",
     "NotInitializedError",
@@ -63,4 +71,5 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeout",
+    "WaitTimeout",
 ]

@@ -75,7 +75,7 @@ def test_join_dividing_by_active_ranks_refused_without_python_callback_work():
         "with model.join(divide_by_initial_world_size=False):\n"
         "    model(torch.ones(1, 2)).sum().backward()\n"
         "print('ALLOWED')\n"
-        "ddp_module.detached_works = lambda: False\n"
+        "ddp_module.DETACHABLE = False\n"
         "try:\n"
         "    model.join(divide_by_initial_world_size=False)\n"
         "except ValueError as exc:\n"

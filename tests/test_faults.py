@@ -24,8 +24,8 @@ from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine, debug, stall
+from smddp.comm.engine.handle import DETACHABLE
 from smddp.torch import _labels
-from smddp.torch._work import detached_works
 
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun
 
@@ -141,7 +141,7 @@ def test_timeout_names_the_rank_that_never_arrived_mpi():
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(not detached_works(), reason="this torch has no PythonCallbackWork")
+@pytest.mark.skipif(not DETACHABLE, reason="this torch has no PythonCallbackWork")
 def test_timeout_raised_by_a_wait_from_cpp():
     """The Work torch's API returned, dropped by Python, waited on by C++ (DDP's join() does that)."""
     result = mpirun(2, [SCRIPT, "sleep-cpp"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})

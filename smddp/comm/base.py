@@ -128,6 +128,11 @@ class Pending(abc.ABC):
     # A subclass may also define ``block(seconds)``: sleep until the operation completes or
     # ``seconds`` pass, without polling. The engine then sleeps on it instead of spinning.
 
+    #: A stream-ordered operation (done for the kernels queued after it as soon as it is
+    #: enqueued) defines ``query()``: True once its device has finished it, without blocking.
+    #: None: the operation completes on the host.
+    query: Optional[Callable[[], bool]] = None
+
 
 class Done(Pending):
     """An operation that completed when it was started."""
@@ -161,6 +166,7 @@ class Then(Pending):
     def __init__(self, pending: Pending, action=None, held: tuple = ()):
         self._pending, self._done, self._held = pending, False, held
         self._action = None if action is None or pending.queue_after(action) else action
+        self.query = pending.query  # a queued action runs on the operation's stream, before its event
 
     def test(self) -> bool:
         if not self._done and self._pending.test():

@@ -14,16 +14,10 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-#: torch's Work base class that a Python subclass may extend (``wait``, ``get_future``):
-#: ``torch.distributed._Work`` in every version from 2.4 to 2.13; ``Work`` where it is gone.
-WorkBase = tdist._Work if hasattr(tdist, "_Work") else tdist.Work
-
-#: torch's C++ Work whose ``wait(timeout)`` calls a Python function, or None. torch 2.10, 2.11
-#: and 2.13 have it (``torch._C._distributed_c10d.PythonCallbackWork``); 2.4 to 2.9 do not, and
-#: there asynchronous Works are Python subclasses of :data:`WorkBase` (smddp/torch/_work.py), and
-#: ``join(divide_by_initial_world_size=False)`` is refused before anything is sent. Unlike a Python
-#: subclass, it keeps working once Python has dropped it.
-CallbackWork = getattr(torch._C._distributed_c10d, "PythonCallbackWork", None)
+#: torch 2.8 and later: every function of ``torch.distributed`` that passes ``asyncOp=False``
+#: to a process group accepts ``None`` back (the backend has completed the call); earlier ones
+#: call ``wait()`` on what they get.
+SYNC_RETURNS_NONE = torch.__version__ >= (2, 8)
 
 _C10D_GLOBALS = vars(sys.modules["torch.distributed.distributed_c10d"])
 
@@ -44,20 +38,6 @@ def requested_device_id() -> torch.device | None:
             return device if isinstance(device, torch.device) else None
         frame = frame.f_back
     return None
-
-
-def called_by_torch_api(depth: int) -> bool:
-    """True when the frame ``depth`` levels above the caller's is ``torch.distributed``'s API.
-
-    ``1`` asks about the caller's caller: whether a function of
-    ``torch.distributed.distributed_c10d`` (``all_reduce``, ``broadcast``, ...) called it,
-    which hands the group's Work to Python code; not C++ (DDP's reducer, through torch's
-    trampoline), which keeps what it gets alive itself.
-    """
-    try:
-        return sys._getframe(depth + 1).f_globals is _C10D_GLOBALS
-    except ValueError:  # no Python frame that deep: a C++ thread called
-        return False
 
 
 def register_backend(name: str, creator: Callable, devices) -> None:
@@ -88,13 +68,14 @@ def default_timeout():
     return constants.default_pg_timeout
 
 
-#: ``torch._C._current_graph_task_id`` (2.4 to 2.13); without it nothing counts as inside backward.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+#: The id of the autograd backward pass running in this thread, -1 outside one (a C function:
+#: ``torch._C._current_graph_task_id``, 2.4 to 2.13; without it nothing counts as inside backward).
+graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
 
 
 def in_backward() -> bool:
     """True inside autograd's backward pass (where DDP's reducer starts its all-reduces)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 # ---------------------------------------------------------------------------- native backends
@@ -154,12 +135,6 @@ def xccl_backend(store, rank: int, size: int, timeout, group_name: str):
 
 
 # ---------------------------------------------------------------------------- autograd
-def backward_task() -> int:
-    """The id of the autograd backward pass running in this thread; -1 outside backward."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if current is None else current()
-
-
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the running backward pass ends, before ``backward()`` returns
     (``Variable._execution_engine.queue_callback``, 2.4 to 2.13)."""

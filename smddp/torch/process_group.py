@@ -2,10 +2,15 @@
 
 After ``init_process_group()`` torch's default group is a :class:`SmddpProcessGroup`, so
 ``torch.distributed.all_reduce``, torch's DDP, samplers, Hugging Face and Lightning run on
-smddp's communicator. Work objects carry real futures, completed by the engine's progress
-thread, so torch's DDP overlaps gradient reduction with backward. What ``torch.distributed``'s
-API returns to Python asynchronously is a :class:`~smddp.torch._work.DetachedWork`, which C++
-may hold and wait on after Python has dropped it (see :func:`_work`).
+smddp's communicator. Each collective returns the engine's handle of the operation, which is
+torch's ``Work`` (:class:`~smddp.comm.engine.handle.Handle`): its future is completed by the
+engine, so torch's DDP overlaps gradient reduction with backward, and C++ may keep and wait on
+it after Python has dropped it. A synchronous call of torch's API (torch >= 2.8 passes
+``asyncOp=False`` and takes ``None`` back) runs on the engine's synchronous path instead.
+
+torch.profiler sees every collective as it sees gloo's: the dispatcher's event
+(``c10d::allreduce_``, :mod:`smddp.torch._c10d_events`) around the method, and the engine's
+(``smddp:all_reduce``) from start to completion.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import torch.distributed as tdist
 from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
+from smddp.comm.engine import events as _events
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
-from smddp.torch import _compat, _labels
-from smddp.torch._work import DetachedWork, RecvWork, Work, detached_works
+from smddp.torch import _c10d_events, _compat, _labels
 
 BACKEND_NAME = "smddp"
 
@@ -34,6 +39,11 @@ _RED_OP_TYPE = tdist.ReduceOp.RedOpType
 #: torch's ReduceOp hashes to its code (checked here, per kind): hash() reads it in one C call
 #: where ``.op.value`` takes two, each hundreds of ns, on the path of every torch-API reduction.
 _HASH_IS_CODE = all(hash(_TORCH_REDUCE_OP(_RED_OP_TYPE(code))) == code for code in _RED_OPS)
+_ALLREDUCE_OPTIONS = tdist.AllreduceOptions
+_SYNC_RETURNS_NONE = _compat.SYNC_RETURNS_NONE
+_profiling = _events.active  # one C call
+_graph_task = _compat.graph_task_id  # one C call: -1 outside autograd's backward
+_DDP_GRADIENTS = _labels.DDP_GRADIENTS
 
 
 # DDP's last gradient buckets are finished in the thread that runs backward for at most this
@@ -43,7 +53,11 @@ _FINISH_SECONDS = 0.05
 
 
 def torch_op(reduce_op) -> Op:
-    """smddp's :class:`Op` for a torch ``ReduceOp`` (an options field or a constant)."""
+    """smddp's :class:`Op` for a torch ``ReduceOp`` (an options field or a constant).
+
+    Raises:
+        InvalidArgumentError: a reduction smddp does not support (``BAND``, a premul sum, ...).
+    """
     kind = reduce_op.__class__
     if kind is _TORCH_REDUCE_OP:
         code = hash(reduce_op) if _HASH_IS_CODE else reduce_op.op.value
@@ -65,8 +79,17 @@ def _single(tensors, what: str) -> torch.Tensor:
     return tensors[0]
 
 
+def _wants_work(opts) -> bool:
+    """False when torch's API calls synchronously and takes ``None`` back (it waits on nothing)."""
+    return not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True)
+
+
 class SmddpProcessGroup(tdist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`."""
+    """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`.
+
+    Every collective returns the engine's :class:`~smddp.comm.engine.handle.Handle` (torch's
+    ``Work``), or None for a synchronous call of torch's API (see :func:`_wants_work`).
+    """
 
     def __init__(self, engine: Engine, rank: int, size: int, on_shutdown=None):
         super().__init__(rank, size)
@@ -107,19 +130,26 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     # collectives torch calls by these names
     def allreduce(self, tensors, opts=None):
+        # Under torch.profiler, the dispatcher's event: held by this local, it ends on return.
+        _event = _c10d_events.begin("allreduce_", locals()) if _profiling() else None
         tensor = _single(tensors, "allreduce")
         if tensor.is_sparse:
             # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
             return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
-        op = torch_op(opts.reduceOp if isinstance(opts, tdist.AllreduceOptions) else opts or tdist.ReduceOp.SUM)
+        op = torch_op(opts.reduceOp if opts.__class__ is _ALLREDUCE_OPTIONS else opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
-        handle = self.engine.all_reduce(tensor, op, async_op=True, label=_labels.all_reduce_label())
-        if self._drive_in_backward and tensor.is_cpu:
-            self._finish_with_backward(handle)
-        return _work(handle, [tensor], opts)
+        task = _graph_task()
+        label = None if task == -1 else _DDP_GRADIENTS
+        if _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True):  # not _wants_work(opts), inline
+            self.engine.all_reduce(tensor, op, False, label)
+            return None
+        handle = self.engine.all_reduce(tensor, op, True, label)
+        if task != -1 and self._drive_in_backward and tensor.is_cpu:
+            self._finish_with_backward(handle, task)
+        return handle
 
-    def _finish_with_backward(self, handle: Handle) -> None:
-        """Complete ``handle`` in this thread when the running backward pass ends.
+    def _finish_with_backward(self, handle: Handle, task: int) -> None:
+        """Complete ``handle`` in this thread when the running backward pass (``task``) ends.
 
         DDP's reducer starts each gradient bucket's all-reduce from backward and, once
         backward ends, blocks on the buckets' futures. MPI moves data only while a thread
@@ -128,8 +158,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         in the thread that would otherwise block, just before the reducer's own
         end-of-backward step, takes those waits out of every training step.
         """
-        task = _compat.backward_task()
-        if task == -1:
+        if handle._done:
             return
         handles = self._backward_handles.get(task)
         if handles is None:
@@ -141,111 +170,126 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         self.engine.finish(self._backward_handles.pop(task, ()), _FINISH_SECONDS)
 
     def broadcast(self, tensors, opts=None):
+        _event = _c10d_events.begin("broadcast_", locals()) if _profiling() else None
         tensor = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
-        return _work(self.engine.broadcast(tensor, root, async_op=True), [tensor], opts)
+        return self.engine.broadcast(tensor, root, not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("allgather_", locals()) if _profiling() else None
         tensor = _single(input_tensors, "allgather")
         outputs = _single(output_tensors, "allgather")
-        return _work(self.engine.all_gather(outputs, tensor, async_op=True), outputs, opts)
+        return self.engine.all_gather(outputs, tensor, not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True))
 
     def _allgather_base(self, output, input, opts=None):
-        return _work(self.engine.all_gather_into_tensor(output, input, async_op=True), [output], opts)
+        _event = _c10d_events.begin("_allgather_base_", locals()) if _profiling() else None
+        return self.engine.all_gather_into_tensor(output, input, _wants_work(opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        handle = self.engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=True)
-        return _work(handle, [output], opts)
+        _event = _c10d_events.begin("alltoall_base_", locals()) if _profiling() else None
+        return self.engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes, _wants_work(opts))
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts=None):
-        return _work(self.engine.barrier(async_op=True), [], opts)
+        _event = _c10d_events.begin("barrier", locals()) if _profiling() else None
+        return self.engine.barrier(_wants_work(opts))
 
     # the rest of torch's ProcessGroup, built in smddp.comm.algorithms.derived
     all_gather_single = _allgather_base  # torch >= 2.13 calls it by this name
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        return _work(derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts)), [output], opts)
+        _event = _c10d_events.begin("_reduce_scatter_base_", locals()) if _profiling() else None
+        return derived.reduce_scatter_tensor(self.engine, output, input, _reduce_op(opts))
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("reduce_scatter_", locals()) if _profiling() else None
         output = _single(output_tensors, "reduce_scatter")
         inputs = _single(input_tensors, "reduce_scatter")
-        return _work(derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts)), [output], opts)
+        return derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts))
 
     def reduce(self, tensors, opts=None):
+        _event = _c10d_events.begin("reduce_", locals()) if _profiling() else None
         tensor = _single(tensors, "reduce")
         self.engine.checks.rank_arg(opts.rootRank if opts is not None else 0, "dst")
-        return _work(derived.reduce(self.engine, tensor, _reduce_op(opts)), [tensor], opts)
+        return derived.reduce(self.engine, tensor, _reduce_op(opts))
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("gather_", locals()) if _profiling() else None
         tensor = _single(input_tensors, "gather")
         outputs = _single(output_tensors, "gather") if output_tensors else []
         root = opts.rootRank if opts is not None else 0
-        return _work(derived.gather(self.engine, outputs, tensor, root), [list(outputs)], opts)
+        return derived.gather(self.engine, outputs, tensor, root)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        _event = _c10d_events.begin("scatter_", locals()) if _profiling() else None
         tensor = _single(output_tensors, "scatter")
         inputs = _single(input_tensors, "scatter") if input_tensors else []
         root = opts.rootRank if opts is not None else 0
-        return _work(derived.scatter(self.engine, tensor, inputs, root), [tensor], opts)
+        return derived.scatter(self.engine, tensor, inputs, root)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        return _work(derived.all_to_all(self.engine, output_tensors, input_tensors), list(output_tensors), opts)
+        _event = _c10d_events.begin("alltoall_", locals()) if _profiling() else None
+        return derived.all_to_all(self.engine, output_tensors, input_tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op = _reduce_op(opts)
-        handle = derived.each(self.engine, lambda t: self.engine.all_reduce(t, op, async_op=True), tensors)
-        return _work(handle, list(tensors), opts)
+        _event = _c10d_events.begin("allreduce_coalesced_", locals()) if _profiling() else None
+        op, engine = _reduce_op(opts), self.engine
+        return derived.each(engine, lambda t, result=None: engine.all_reduce(t, op, True, None, result), tensors,
+                            result=list(tensors))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        _event = _c10d_events.begin("allgather_coalesced_", locals()) if _profiling() else None
         # output_lists[r][i] receives rank r's input_tensors[i] (torch's all_gather_coalesced).
         _check_gather_coalesced(output_lists, input_tensors, self.size())
         per_tensor = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
-        handle = derived.each(
-            self.engine, lambda out, t: self.engine.all_gather(out, t, async_op=True), per_tensor, input_tensors)
-        return _work(handle, list(output_lists), opts)
+        engine = self.engine
+        return derived.each(engine, lambda out, t, result=None: engine.all_gather(out, t, True, result),
+                            per_tensor, input_tensors, result=list(output_lists))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        handle = derived.each(
-            self.engine, lambda out, t: self.engine.all_gather_into_tensor(out, t, async_op=True), outputs, inputs)
-        return _work(handle, list(outputs), opts)
+        _event = _c10d_events.begin("allgather_into_tensor_coalesced_", locals()) if _profiling() else None
+        engine = self.engine
+        return derived.each(engine, lambda out, t, result=None: engine.all_gather_into_tensor(out, t, True, result),
+                            outputs, inputs, result=list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        op = _reduce_op(opts)
-        handle = derived.each(
-            self.engine, lambda out, t: derived.reduce_scatter_tensor(self.engine, out, t, op), outputs, inputs)
-        return _work(handle, list(outputs), opts)
+        _event = _c10d_events.begin("reduce_scatter_tensor_coalesced_", locals()) if _profiling() else None
+        op, engine = _reduce_op(opts), self.engine
+        return derived.each(
+            engine, lambda out, t, result=None: derived.reduce_scatter_tensor(engine, out, t, op, result),
+            outputs, inputs, result=list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # point-to-point: the communicator's own, else the device's torch-native backend
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
+        _event = _c10d_events.begin("send", locals()) if _profiling() else None
         tensor = _single(tensors, "send")
         try:
-            return Work(derived.send(self.engine, tensor, dstRank, tag), [tensor])
+            return derived.send(self.engine, tensor, dstRank, tag)
         except BackendUnavailableError:
             return self._native(tensor, "send").send(tensors, dstRank, tag)
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
+        _event = _c10d_events.begin("recv_", locals()) if _profiling() else None
         tensor = _single(tensors, "recv")
         try:
-            handle, source = derived.recv(self.engine, tensor, srcRank, tag)
+            return derived.recv(self.engine, tensor, srcRank, tag)[0]
         except BackendUnavailableError:
             return self._native(tensor, "recv").recv(tensors, srcRank, tag)
-        return RecvWork(handle, [tensor], source)
 
     def recv_anysource(self, tensors, tag=0):
+        _event = _c10d_events.begin("recv_any_source_", locals()) if _profiling() else None
         tensor = _single(tensors, "recv")
         try:
-            handle, source = derived.recv(self.engine, tensor, None, tag)
+            return derived.recv(self.engine, tensor, None, tag)[0]
         except BackendUnavailableError:
             return self._native(tensor, "recv").recv_anysource(tensors, tag)
-        return RecvWork(handle, [tensor], source)
 
     def _native(self, tensor: torch.Tensor, what: str):
         try:
@@ -255,24 +299,6 @@ class SmddpProcessGroup(tdist.ProcessGroup):
                 f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "
                 f"{tensor.device.type} tensors point-to-point here"
             ) from None
-
-
-_DETACHED = detached_works()
-
-
-def _work(handle: Handle, result: list, opts) -> Work:
-    """The Work a collective of the group returns to its caller.
-
-    When ``torch.distributed``'s API (``all_reduce(..., async_op=True)`` and the like) is the
-    caller, the Work goes to Python code, which may hand it to C++ and drop it: DDP's forward
-    gives the reducer the Work of its ``join()`` all-reduce, and backward waits on it. That one
-    is a :class:`DetachedWork`, which keeps working without its Python object. A C++ caller
-    (DDP's reducer) gets a :class:`Work`, which torch keeps alive for it; so does a synchronous
-    call, which torch waits on at once.
-    """
-    if _DETACHED and getattr(opts, "asyncOp", False) and _compat.called_by_torch_api(2):
-        return DetachedWork(handle, result)
-    return Work(handle, result)
 
 
 def _check_gather_coalesced(output_lists, input_tensors, size: int) -> None:

@@ -22,8 +22,8 @@ from checklist import Checklist
 import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.base import Op
+from smddp.comm.engine.handle import DETACHABLE, Handle
 from smddp.torch import groups
-from smddp.torch._work import DetachedWork, detached_works
 
 dist.init_process_group()
 rank, size = tdist.get_rank(), tdist.get_world_size()
@@ -141,8 +141,12 @@ def work_collected_in_flight() -> None:
 
 def held_by_cpp() -> None:
     """Works that torch's API returned, handed to C++ and dropped by Python at once (DDP's forward
-    does that with its ``join()`` all-reduce): C++ waits on each and reads its future."""
-    if not detached_works():
+    does that with its ``join()`` all-reduce): C++ waits on each and reads its future.
+
+    The engine holds a Work while its operation is in flight; once a later synchronous
+    collective has returned (issue order: every one before it is done), nothing holds it.
+    """
+    if not DETACHABLE:
         return  # this torch has no PythonCallbackWork: C++ would wait forever
     cases = []
     for numel in SIZES:
@@ -153,10 +157,11 @@ def held_by_cpp() -> None:
         boxed = tdist.all_gather_into_tensor(out, value(rank, numel, torch.float32, 101), async_op=True).boxed()
         cases.append((f"all_gather_into_tensor held by C++ {numel}", boxed, out,
                       torch.cat([value(r, numel, torch.float32, 101) for r in range(size)])))
+    tdist.all_reduce(torch.zeros(1))
     gc.collect()
     for name, boxed, got, want in cases:
         work = tdist.Work.unbox(boxed)  # the C++ object: its Python object is gone
-        checklist.check(f"{name}: no Python object left", not isinstance(work, DetachedWork), type(work).__name__)
+        checklist.check(f"{name}: no Python object left", not isinstance(work, Handle), type(work).__name__)
         checklist.check(f"{name}: wait() from C++", work.wait() is True)
         check(name, got, want)
         check(f"{name}: its future, as DDP's reducer reads it", work.get_future().value()[0], want)

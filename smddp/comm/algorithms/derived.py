@@ -36,8 +36,8 @@ def _check(engine: Engine, *fields):
     return fields if engine.debugging else None
 
 
-def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check=None) -> Handle:
-    return engine.run(op_name, start, True, check)
+def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check, inputs, result) -> Handle:
+    return engine.run(op_name, start, True, check, (), inputs, result)
 
 
 def _root_checks(engine: Engine, op_name: str, checks: Callable[[], None]) -> None:
@@ -58,7 +58,8 @@ def _root_checks(engine: Engine, op_name: str, checks: Callable[[], None]) -> No
 
 
 # ---------------------------------------------------------------------------- reductions
-def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op) -> Handle:
+def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op,
+                          result: Optional[Sequence] = None) -> Handle:
     """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
 
     The communicator's own ``reduce_scatter`` where it has one (MPI, NCCL, the shm plane); otherwise
@@ -76,13 +77,15 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"(world size x output elements)"
         )
     src = flat(input)
+    inputs, result = (input,), ((output,) if result is None else result)
     if comm.native_reduce_scatter:
         buf, after = engine.checks.buffer(output, "reduce_scatter_tensor", "output")
 
         def native(seq: int) -> Pending:
             return then(comm.reduce_scatter(buf.flatten(), src, op, seq), after, src, buf)
 
-        return _start(engine, "reduce_scatter_tensor", native, _check(engine, "reduce_scatter", op, src))
+        check = _check(engine, "reduce_scatter", op, src)
+        return _start(engine, "reduce_scatter_tensor", native, check, inputs, result)
     if not output.is_contiguous():
         check_writable(output, "reduce_scatter_tensor", "output")
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
@@ -93,7 +96,7 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         return then(pending, lambda: reduce_rows(rows, op, output), src, rows)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
-    return _start(engine, "reduce_scatter_tensor", start, check)
+    return _start(engine, "reduce_scatter_tensor", start, check, inputs, result)
 
 
 def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op) -> Handle:
@@ -105,7 +108,7 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
     inputs = _tensor_list(input_list, "input_list")
     engine.checks.per_rank(inputs, output, "reduce_scatter", "input_list", "output")
     engine.checks.comm_for(output, *inputs)
-    return reduce_scatter_tensor(engine, output, torch.cat([flat(t) for t in inputs]), op)
+    return reduce_scatter_tensor(engine, output, torch.cat([flat(t) for t in inputs]), op, (output,))
 
 
 def reduce(engine: Engine, tensor: torch.Tensor, op: Op) -> Handle:
@@ -145,7 +148,7 @@ def gather(engine: Engine, outputs: Optional[Sequence[torch.Tensor]], input: tor
         return then(comm.all_to_all_single(buf, src, receive, send, seq), unpack, src, buf)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (send, receive))
-    return _start(engine, "gather", start, check)
+    return _start(engine, "gather", start, check, (input,), (outs,))
 
 
 def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Handle:
@@ -174,7 +177,7 @@ def scatter(engine: Engine, output: torch.Tensor, inputs: Optional[Sequence[torc
         return then(comm.all_to_all_single(buf.flatten(), packed, receive, send, seq), after, packed, buf)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "scatter", start, check)
+    return _start(engine, "scatter", start, check, ins, (output,))
 
 
 def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
@@ -208,18 +211,20 @@ def all_to_all(engine: Engine, outputs: Sequence[torch.Tensor], inputs: Sequence
         return then(comm.all_to_all_single(buf, packed, receive, send, seq), unpack, packed, buf)
 
     check = _check(engine, "all_to_all_single", None, packed, None, False, (send, receive))
-    return _start(engine, "all_to_all", start, check)
+    return _start(engine, "all_to_all", start, check, ins, outs)
 
 
 # ---------------------------------------------------------------------------- several at once
-def each(engine: Engine, start_one: Callable[..., Handle], *lists: Sequence) -> Handle:
+def each(engine: Engine, start_one: Callable[..., Handle], *lists: Sequence, result: Optional[Sequence] = None
+         ) -> Handle:
     """Start ``start_one(*items)`` for each position of ``lists``; the handle of them all.
 
     That is the last one's: the engine completes a group's collectives in issue order, so it
     is done once every one before it is; it :attr:`~smddp.comm.engine.handle.Handle.covers`
     them, so its error is the first of theirs. ``lists[0]`` holds the outputs (a tensor, or a
     list of them, per position): they are checked before any collective starts, so a bad one
-    does not leave the others half done.
+    does not leave the others half done. With ``result``, the last call is
+    ``start_one(*items, result=result)``: what the handle of them all gives as its result.
 
     Raises:
         InvalidArgumentError: the lists have different lengths, or an output has overlapping memory.
@@ -232,9 +237,11 @@ def each(engine: Engine, start_one: Callable[..., Handle], *lists: Sequence) -> 
         for out in outs if isinstance(outs, (list, tuple)) else (outs,):
             if isinstance(out, torch.Tensor) and not out.is_contiguous():
                 check_writable(out, "coalesced collective", f"tensor {i}")
-    handles = [start_one(*items) for items in zip(*lists)]
-    if not handles:
-        return engine.message("coalesced collective of no tensors", lambda: DONE)
+    calls = list(zip(*lists))
+    if not calls:
+        return engine.message("coalesced collective of no tensors", lambda: DONE, result or ())
+    handles = [start_one(*items) for items in calls[:-1]]
+    handles.append(start_one(*calls[-1]) if result is None else start_one(*calls[-1], result=result))
     handles[-1].covers = handles[:-1]
     return handles[-1]
 
@@ -250,14 +257,16 @@ def send(engine: Engine, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
     _check_peer(engine, dst, "dst", tag)
     comm = engine.checks.comm_for(tensor)
     src = tensor.detach().contiguous()
-    return engine.message(f"send to rank {dst} (tag {tag})", lambda: then(comm.send(src, dst, tag), None, src))
+    return engine.message(f"send to rank {dst} (tag {tag})", lambda: then(comm.send(src, dst, tag), None, src),
+                          (tensor,))
 
 
 def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> Tuple[Handle, Callable[[], int]]:
     """Receive into ``tensor`` from rank ``src`` (None: any rank).
 
     Returns:
-        The handle, and a function that returns the sender's rank once the handle is complete.
+        The handle (its ``source``, and ``_source_rank()``, give the sender's rank once it is
+        complete), and that function.
 
     Raises:
         InvalidArgumentError: ``src`` is not another rank, or a negative tag.
@@ -276,8 +285,9 @@ def recv(engine: Engine, tensor: torch.Tensor, src: Optional[int], tag: int) -> 
         return then(started[0], after, buf)
 
     peer = "any rank" if src is None else f"rank {src}"
-    handle = engine.message(f"recv from {peer} (tag {tag})", start)
-    return handle, lambda: started[0].source
+    handle = engine.message(f"recv from {peer} (tag {tag})", start, (tensor,))
+    handle.source = lambda: started[0].source
+    return handle, handle.source
 
 
 def _check_peer(engine: Engine, peer, what: str, tag) -> None:

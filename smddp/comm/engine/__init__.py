@@ -43,8 +43,9 @@ import torch
 
 from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, then
 from smddp.comm.engine import debug as _debug
+from smddp.comm.engine import events as _events
 from smddp.comm.engine.checks import Checks, check_writable
-from smddp.comm.engine.handle import Handle, poll
+from smddp.comm.engine.handle import Handle, poll, settle, settle_on_device
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.stall import labelled
 from smddp.errors import CollectiveError, CollectiveMismatchError, InvalidArgumentError, InvalidTypeError
@@ -52,6 +53,7 @@ from smddp.errors import CollectiveError, CollectiveMismatchError, InvalidArgume
 __all__ = ["Engine", "Handle"]
 
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+_profiling = _events.active  # one C call: is torch's profiler recording in this thread
 
 class Engine(Health):
     """The collectives of one job over one communicator per device type.
@@ -88,6 +90,8 @@ class Engine(Health):
         # handles' state, and lets one thread at a time test Pendings.
         self._inflight: List[Handle] = []
         self._cv = threading.Condition()
+        # Done stream-ordered operations whose C++ half waits for their device (handle.settle).
+        self._on_device: List[Handle] = []
         # Pendings that failed, timed out or were interrupted while the library may still hold
         # their buffers (and errors of starts that failed part-way, whose frames hold them).
         self._abandoned: List[object] = []
@@ -113,7 +117,8 @@ class Engine(Health):
 
     # ------------------------------------------------------------------ starting and waiting
     def run(
-        self, op_name: str, start: Callable[..., Pending], async_op: bool = True, check=None, args: tuple = ()
+        self, op_name: str, start: Callable[..., Pending], async_op: bool = True, check=None, args: tuple = (),
+        inputs: Sequence[torch.Tensor] = (), result: Sequence = (), profile: bool = True,
     ) -> Optional[Handle]:
         """Number and start a collective (``start(*args, seq)``); wait for it here unless ``async_op``.
 
@@ -130,10 +135,16 @@ class Engine(Health):
                 :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks
                 first; None otherwise.
             args: passed to ``start`` before ``seq``.
+            inputs: the tensors the collective reads: the shapes torch's profiler records
+                (:mod:`smddp.comm.engine.events`) while it is active.
+            result: the output tensors the handle's ``result()`` and future give.
+            profile: False where the caller records the collective's profiler event itself.
 
         Returns:
             A :class:`Handle` for an asynchronous operation, None once a synchronous one is done.
         """
+        if profile and _profiling():
+            return _events.profiled(self, op_name, start, async_op, check, args, inputs, result)
         # Ranks must start collectives in the same order: numbering and starting happen
         # together, under one lock, whichever thread calls. acquire() and release(): cheaper
         # than `with`, on the path of every small collective.
@@ -160,23 +171,27 @@ class Engine(Health):
                 # A start that failed part-way may have posted requests (a ring's receive into
                 # its scratch): the error's traceback holds the frames that hold their buffers.
                 self._abandoned.append(exc)
-                raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+                raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
             handle = None
             if self._inflight:
                 # A collective behind asynchronous ones completes after them.
-                handle = self._track(Handle(self, seq, op_name, pending))
+                handle = self._track(Handle(self, seq, op_name, pending, result=result))
             elif async_op:
-                handle = Handle(self, seq, op_name, pending)
-                if pending is DONE:
-                    # Completed as it started, nothing before it in flight: done, and no
-                    # thread need ever test it (most small collectives, torch's API's too).
-                    handle._finished = handle._done = True
-                else:
+                # Completed as it started, nothing before it in flight: born done, and no
+                # thread need ever test it (most small collectives, torch's API's too).
+                done = pending is DONE
+                handle = Handle(self, seq, op_name, pending, result=result, done=done)
+                if not done:
                     self._track(handle)
         finally:
             self._start_lock.release()
         if async_op:
-            self._last_handle = handle
+            # The handle is the caller's Work, which the engine must not keep alive once it
+            # is done: _poll forgets it as it completes.
+            if handle._done:
+                self._last_handle, self._done_seq = None, seq
+            else:
+                self._last_handle = handle
             return handle
         self._last_start = time.monotonic()
         if handle is not None:
@@ -205,17 +220,19 @@ class Engine(Health):
             if isinstance(exc, CollectiveError) or not isinstance(exc, Exception):
                 raise
             # A library error becomes a CollectiveError.
-            raise self._fail(exc, Handle(self, seq, op_name, DONE)) from exc
+            raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
         pending.waited()  # a stream-ordered operation orders the caller's stream
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: Op, async_op: bool = False, label: Optional[str] = None
+        self, tensor: torch.Tensor, op: Op, async_op: bool = False, label: Optional[str] = None,
+        result: Optional[Sequence] = None,
     ) -> Optional[Handle]:
         """Reduce ``tensor`` over all ranks, in place.
 
         ``label``: what the caller does with it, named in errors and stall reports as
         ``all_reduce (<label>)``; a label in the engine's ``advice`` adds that advice to them.
+        ``result``: what the handle's ``result()`` gives (default ``[tensor]``).
         """
         # The hot path inlines checks.comm_for's common case (a CPU tensor of a dtype the CPU
         # communicator takes): through that call a world-of-one v1 all_reduce took about 250 ns
@@ -226,15 +243,18 @@ class Engine(Health):
             comm = self.checks.comm_for(tensor)
         check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
         name = "all_reduce" if label is None else labelled("all_reduce", label)
+        inputs = [tensor]
+        if result is None:
+            result = inputs
         if tensor.is_contiguous() and not tensor.requires_grad:  # checks.buffer's common case, inline
-            return self.run(name, comm.all_reduce, async_op, check, (tensor, op))
+            return self.run(name, comm.all_reduce, async_op, check, (tensor, op), inputs, result)
         buf, after = self.checks.buffer(tensor, "all_reduce")
 
         def start(seq: int) -> Pending:
             pending = comm.all_reduce(buf, op, seq)
             return then(pending, after)
 
-        return self.run(name, start, async_op, check)
+        return self.run(name, start, async_op, check, (), inputs, result)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Handle]:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
@@ -247,12 +267,14 @@ class Engine(Health):
             return then(pending, after)
 
         check = None if self._debug is None else ("broadcast", None, tensor, src)
-        return self.run("broadcast", start, async_op, check)
+        inputs = [tensor]
+        return self.run("broadcast", start, async_op, check, (), inputs, inputs)
 
     def all_gather(
-        self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
+        self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool = False,
+        result: Optional[Sequence] = None,
     ) -> Optional[Handle]:
-        """Gather every rank's ``tensor`` into ``tensor_list`` (rank order)."""
+        """Gather every rank's ``tensor`` into ``tensor_list`` (rank order); ``result()``: ``tensor_list``."""
         if not isinstance(tensor_list, (list, tuple)):
             raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
         comm = self.checks.comm_for(tensor, *tensor_list)
@@ -271,11 +293,12 @@ class Engine(Health):
 
         return self.run(
             "all_gather", lambda seq: then(comm.all_gather(gathered, src, seq), scatter_back),
-            async_op, None if self._debug is None else ("all_gather", None, tensor),
+            async_op, None if self._debug is None else ("all_gather", None, tensor), (), (tensor,),
+            tensor_list if result is None else result,
         )
 
     def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, result: Optional[Sequence] = None,
     ) -> Optional[Handle]:
         """Gather every rank's ``input`` into ``output`` (``size * input.numel()`` elements)."""
         comm = self.checks.comm_for(output, input)
@@ -291,7 +314,8 @@ class Engine(Health):
             return then(comm.all_gather(out, src, seq), after)
 
         check = None if self._debug is None else ("all_gather", None, input)
-        return self.run("all_gather_into_tensor", start, async_op, check)
+        return self.run("all_gather_into_tensor", start, async_op, check, (), [input],
+                        [output] if result is None else result)
 
     def all_to_all_single(
         self,
@@ -314,20 +338,20 @@ class Engine(Health):
 
         check = None if self._debug is None else (
             "all_to_all_single", None, input, None, False, (in_counts, out_counts))
-        return self.run("all_to_all_single", start, async_op, check)
+        return self.run("all_to_all_single", start, async_op, check, (), [input], [output])
 
     def barrier(self, async_op: bool = False) -> Optional[Handle]:
         """Complete once every rank has entered the barrier."""
         return self.run("barrier", self.primary.barrier, async_op, None if self._debug is None else ("barrier",))
 
-    def message(self, op_name: str, start: Callable[[], Pending]) -> Handle:
+    def message(self, op_name: str, start: Callable[[], Pending], result: Sequence = ()) -> Handle:
         """Start a point-to-point operation (``start()``) and own it until it completes.
 
         A message involves two ranks: it takes no sequence number (it is named by the latest
         collective), and completes on its own, not in the collectives' issue order.
         """
         self._check_usable()
-        return self._track(Handle(self, self.seq, op_name, start(), ordered=False))
+        return self._track(Handle(self, self.seq, op_name, start(), ordered=False, result=result))
 
     # ------------------------------------------------------------------ progress
     def _track(self, handle: Handle) -> Handle:
@@ -347,9 +371,11 @@ class Engine(Health):
         posting its stages. A collective is done once its Pending is and every collective
         issued before it is done; once one fails, the collectives after it fail too (the ranks
         are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
-        run after the lock is released, in issue order.
+        run after the lock is released, in issue order; then each handle is settled (what C++
+        sees of it completes: :func:`~smddp.comm.engine.handle.settle`).
         """
         finished: List[Handle] = []
+        settled: List[Handle] = []  # done, no callbacks to run
         with self._cv:
             if not self._inflight:
                 return
@@ -383,6 +409,7 @@ class Engine(Health):
                             finished.append(handle)  # done once its callbacks have run
                         else:
                             handle._done = True
+                            settled.append(handle)
                         continue
                     if handle.ordered:
                         blocked = handle
@@ -396,6 +423,12 @@ class Engine(Health):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
             handle._done = True
+            settle(self, handle)
+        for handle in settled:
+            settle(self, handle)
+        latest = self._last_handle
+        if latest is not None and latest._done and self._last_handle is latest:
+            self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
 
     def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
         """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
@@ -431,11 +464,13 @@ class Engine(Health):
         """The progress thread: advance operations in flight while the caller computes."""
         while True:
             with self._cv:
-                while not self._inflight and not self._closed:
+                while not self._inflight and not self._on_device and not self._closed:
                     self._cv.wait()
                 if self._closed and not self._inflight:
                     return
             self._poll()
+            if self._on_device:
+                settle_on_device(self)
             time.sleep(2e-5)
 
     def _drain(self) -> bool:
@@ -462,11 +497,21 @@ class Engine(Health):
         clean = self._broken is None and self._drain()
         with self._cv:
             self._closed = True
-            self._abandoned.extend(handle._pending for handle in self._inflight)
+            abandoned = list(self._inflight)
+            self._abandoned.extend(handle._pending for handle in abandoned)
             self._inflight.clear()
             self._cv.notify_all()
+        for handle in abandoned:  # a wait on one (from C++ too) raises instead of waiting for ever
+            handle._error = handle._error or CollectiveError(
+                f"{handle.op_name} (sequence number {handle.seq}) was still in flight on rank {self.rank} "
+                f"when its process group was destroyed")
+            handle._finished = handle._done = True
+            handle._settle()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        for handle in self._on_device:  # the communicators are drained or failed: nothing to wait for
+            handle._settle()
+        self._on_device.clear()
         self._close_health()
         if not clean:
             return  # freeing a communicator under a request still in flight is undefined

@@ -1,7 +1,19 @@
-"""A collective in flight, as the caller holds it (:class:`Handle`), and how a thread waits.
+"""A collective in flight (:class:`Handle`), which is torch's ``Work``, and how a thread waits.
 
-The :class:`~smddp.comm.engine.Engine` creates a handle for every asynchronous operation
-and owns it until it completes; this module is how a handle waits, fails and calls back.
+The :class:`~smddp.comm.engine.Engine` creates one handle per asynchronous operation and owns
+it until it completes. The handle is the operation as every caller holds it: smddp's own
+functions, ``torch.distributed`` (the ``"smddp"`` ProcessGroup returns it as its ``Work``),
+DDP's reducer and any C++ that keeps it after Python has dropped it. One object per operation,
+as gloo's ``AsyncWork`` is.
+
+A handle is a Python subclass of torch's ``PythonCallbackWork`` where torch has it (2.10 and
+later; else of torch's ``Work``). When the operation completes, the engine *settles* the
+handle: it completes the C++ future that C++ reads (``getFuture()``: DDP's reducer) with the
+result, and marks the C++ half completed (``isCompleted()``), whoever waits or polls, and
+whether or not Python still holds the handle. C++ that waits on it (``wait()``) calls back into
+this module's wait loop, which needs nothing but the engine. Torch's ``PythonCallbackWork``
+has no C++ ``result()``: C++ reads the result through the future, as DDP's reducer does.
+
 :func:`poll` is smddp's one wait loop: handles, the engine's synchronous path, the
 ``SMDDP_DEBUG`` check, the end of DDP's backward and the stalled-rank reports' store
 queries all wait through it.
@@ -10,14 +22,35 @@ queries all wait through it.
 from __future__ import annotations
 
 import math
+import sys
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
-from smddp.comm.base import Pending
+import torch
+
+from smddp.comm.base import DONE, Pending
+from smddp.errors import WaitTimeout
 
 if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
+__all__ = ["DETACHABLE", "Handle", "poll", "settle", "settle_on_device"]
+
+_C10D = torch._C._distributed_c10d
+#: torch's C++ Work whose ``wait()`` calls a Python function (torch >= 2.10), or None.
+_CallbackWork = getattr(_C10D, "PythonCallbackWork", None)
+
+#: True where a handle keeps working in C++ once Python has dropped it (torch's
+#: ``PythonCallbackWork`` exists). Elsewhere C++ reaches a handle's methods only while its
+#: Python object lives: a C++ caller of the group (DDP's reducer) gets it kept alive by torch,
+#: but C++ that Python hands a handle to and then drops (DDP's ``join()``) would wait forever.
+DETACHABLE = _CallbackWork is not None
+
+_WorkBase = _CallbackWork or _C10D.Work
+_cpp_future = _WorkBase.get_future  # the C++ half's own future (PythonCallbackWork's)
+_cpp_wait = _WorkBase.wait
+_NO_TIMEOUT = timedelta(0)
 
 # Busy-poll this many times before yielding the CPU while waiting: small collectives
 # finish within it, and a stalled peer does not cost a whole core for long.
@@ -69,59 +102,146 @@ def poll(
     return True
 
 
-class Handle:
-    """A collective in flight: ``wait()`` and ``is_completed()``, like torch's Work.
+def _seconds(timeout) -> Optional[float]:
+    """A ``wait()`` timeout in seconds: None for none (torch's ``timedelta(0)`` means none)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+def _settled(timeout) -> bool:  # noqa: ARG001 - torch passes the wait's timeout
+    """The C++ ``wait()`` of a handle that completed as it started: nothing to wait for."""
+    return True
+
+
+class _Waiter:
+    """What a handle's C++ ``wait()`` calls (torch's ``PythonCallbackWork`` callback).
+
+    It refers to the handle only while the operation is in flight, when the engine holds the
+    handle anyway: settling clears the reference (C++ holds this object, so a reference kept
+    would make a cycle Python cannot collect) and keeps the operation's error instead.
+    """
+
+    __slots__ = ("handle", "error")
+
+    def __init__(self, handle: Handle):
+        self.handle: Optional[Handle] = handle
+        self.error: Optional[BaseException] = None
+
+    def __call__(self, timeout) -> bool:
+        """Wait for the operation (at most ``timeout``); False if that passed first."""
+        handle = self.handle
+        if handle is not None:
+            try:
+                handle.wait(timeout)
+            except WaitTimeout:
+                # Not completed yet: an error here would make torch finish the C++ half with it.
+                return False
+            except BaseException as exc:
+                handle._complete_cpp_future(exc)
+                raise
+            # Before torch marks the C++ half completed (and its future, with no value, if
+            # the engine has not settled it yet: a race with the thread that completed it).
+            handle._complete_cpp_future(None)
+        elif self.error is not None:
+            raise self.error
+        return True
+
+
+class Handle(_WorkBase):
+    """A collective in flight: torch's ``Work`` (``wait``, ``is_completed``, ``get_future``, ...).
 
     The engine holds every handle (and so its Pending and every buffer the Pending keeps)
     until the operation completes: dropping a handle changes nothing.
+
+    Args:
+        engine: the engine that runs the operation.
+        seq: its sequence number.
+        op_name: its name in errors and stall reports.
+        pending: the communicator's operation.
+        ordered: False for point-to-point messages, which complete on their own.
+        result: what ``result()`` and the future give: the operation's output tensors.
+        done: the operation completed as it started: the handle is born settled.
     """
 
     __slots__ = ("_engine", "seq", "op_name", "_pending", "_finished", "_done", "_error",
-                 "_callbacks", "deadline", "ordered", "covers")
+                 "_callbacks", "deadline", "ordered", "covers", "_result", "_waiter", "_future",
+                 "source")
 
-    def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True):
+    def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True,
+                 result: Sequence = (), done: bool = False):
+        # The base's __init__ named, not super()'s lookup: on the path of every collective.
+        # A handle born done sets only what is read of a done one (the hot path of torch's
+        # asynchronous calls); the rest is read only while in flight, or through getattr.
         self._engine = engine
         self.seq = seq
         self.op_name = op_name
         self._pending = pending
-        self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
-        self._done = False  # ... and every collective issued before this one is done
+        self._done = done  # the operation and every collective issued before it are done
         self._error: Optional[BaseException] = None
+        #: Collectives issued just before this one that it stands for (a coalesced call,
+        #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
+        self.covers: Sequence[Handle] = ()
+        self._result = result if result.__class__ is list else list(result)
+        if done:
+            if _CallbackWork is not None:
+                _CallbackWork.__init__(self, _settled)
+                # Settled as it is made: the C++ future holds the result, the C++ half is completed.
+                _cpp_future(self).set_result(self._result)
+                _cpp_wait(self, _NO_TIMEOUT)
+            else:
+                _WorkBase.__init__(self)
+            return
+        if _CallbackWork is not None:
+            self._waiter: Optional[_Waiter] = _Waiter(self)
+            _CallbackWork.__init__(self, self._waiter)
+        else:
+            _WorkBase.__init__(self)
+            self._waiter = None
+        self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
         self._callbacks: Optional[List[Callable[[Handle], None]]] = []
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
         self.ordered = ordered
-        #: Collectives issued just before this one that it stands for (a coalesced call,
-        #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
-        self.covers: Sequence[Handle] = ()
 
+    # ------------------------------------------------------------------ torch's Work
     def is_completed(self) -> bool:
         """Make progress; True once the operation has finished (or failed)."""
         if not self._done:
             self._engine._poll()
         return self._done
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout=None) -> bool:
         """Block until the operation (and every collective issued before it) completes.
 
         Args:
-            timeout: seconds to wait at most; default the process group's timeout.
+            timeout: at most this long (a ``timedelta`` or seconds; ``None`` or zero: no
+                limit but the process group's timeout). When it passes first, the operation
+                stays in flight and a later ``wait()`` may still see it complete.
 
         Returns:
             True.
 
         Raises:
-            CollectiveTimeout: it did not complete in time (the job is then broken).
+            WaitTimeout: ``timeout`` passed before the operation completed.
+            CollectiveTimeout: it did not complete within the process group's timeout (the
+                job is then broken).
             CollectiveError: it failed.
         """
         if not self._done:  # most small collectives are done as they start
-            if timeout is not None:
-                self.deadline = min(self.deadline, time.monotonic() + timeout)
+            limit = _seconds(timeout)
+            stop = self.deadline if limit is None else min(self.deadline, time.monotonic() + limit)
             block = self._block if getattr(self._pending, "block", None) is not None else None
             try:
-                # The handle fails itself at its deadline (see _advance); past it, it completes
-                # once the collectives issued before it have.
-                if not poll(self.is_completed, self.deadline, block):
+                if not poll(self.is_completed, stop, block):
+                    if stop < self.deadline:
+                        raise WaitTimeout(
+                            f"{self.op_name} (sequence number {self.seq}) did not complete within the "
+                            f"{limit:g} s this wait() allowed on rank {self._engine.rank}; it is still in "
+                            f"flight")
+                    # The handle fails itself at its deadline (see _advance); past it, it
+                    # completes once the collectives issued before it have.
                     poll(self.is_completed, math.inf)
             except KeyboardInterrupt:
                 self._engine._interrupted(self.seq, self.op_name)
@@ -129,9 +249,52 @@ class Handle:
         error = self.exception() if self.covers else self._error
         if error is not None:
             raise error
-        self._pending.waited()
+        if self._pending is not DONE:
+            self._pending.waited()
         return True
 
+    def is_success(self) -> bool:
+        """True once the operation has completed without an error."""
+        return self.is_completed() and self.exception() is None
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the operation ended with, if any (the first of :attr:`covers` and its own)."""
+        for handle in self.covers:
+            if handle._error is not None:
+                return handle._error
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        """The operation's output tensors (valid once it completed)."""
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with :meth:`result` when the operation completes (raising its error).
+
+        CUDA tensors get a CUDA-aware future, as torch's NCCL ``Work`` gives: it completes when
+        the operation is enqueued, with an event recorded after it, so its value is ready for
+        every kernel queued after ``wait()`` or in ``then()`` callbacks.
+        """
+        if getattr(self, "_future", None) is None:
+            devices = sorted({t.device for t in self._tensors() if t.is_cuda}, key=str)
+            if _CallbackWork is not None and not devices:
+                # The C++ half's future, which the engine completes (an error as a _Failed value:
+                # see _settle_cpp); raising it from a then() makes it a C++ error once, safely.
+                self._future = _cpp_future(self).then(_value_or_raise)
+            else:
+                self._future = self._own_future(devices)
+        return self._future
+
+    def _completion(self) -> torch.futures.Future:
+        """A future that completes when the handle settles (the profiler's event ends on it)."""
+        return _cpp_future(self) if _CallbackWork is not None else self.get_future()
+
+    def _source_rank(self) -> int:
+        """A receive's sender (torch's ``recv(src=None)``; set by the receive as ``source``)."""
+        self.wait()
+        return self.source()
+
+    # ------------------------------------------------------------------ engine side
     def order_current_stream(self) -> None:
         """Make the calling thread's current CUDA stream wait for a stream-ordered operation.
 
@@ -141,13 +304,6 @@ class Handle:
             CollectiveError: the operation's communicator has failed.
         """
         self._pending.waited()
-
-    def exception(self) -> Optional[BaseException]:
-        """The error the operation ended with, if any (the first of :attr:`covers` and its own)."""
-        for handle in self.covers:
-            if handle._error is not None:
-                return handle._error
-        return self._error
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Call ``callback(handle)`` once the operation has finished, from any thread.
@@ -160,6 +316,71 @@ class Handle:
                 self._callbacks.append(callback)
                 return
         self._engine._call_back(self, [callback])
+
+    def _settle(self) -> None:
+        """The operation is done: complete what C++ sees of it (future, completion, error).
+
+        Called once by the engine, outside its lock, after the done-callbacks.
+        """
+        if _CallbackWork is None:
+            return
+        try:
+            self._settle_cpp(self.exception())
+        except Exception as exc:  # noqa: BLE001 - never the progress thread's end
+            print(f"smddp: settling {self.op_name} (sequence number {self.seq}) failed: {exc!r}", file=sys.stderr)
+
+    def _complete_cpp_future(self, error: Optional[BaseException]) -> None:
+        """Complete the C++ half's future with the result (or ``error``), unless it is already."""
+        future = _cpp_future(self)
+        if not future.done():
+            try:
+                # An error travels as a value: a Python error that C++ raised from the future (and
+                # so from every reader of it) would be raised twice from C++, which ends the process.
+                future.set_result(self._result if error is None else _Failed(error))
+            except RuntimeError:  # a C++ wait() in another thread completed it first
+                pass
+
+    def _settle_cpp(self, error: Optional[BaseException]) -> None:
+        self._complete_cpp_future(error)
+        waiter = self._waiter
+        if waiter is not None:
+            waiter.handle, waiter.error = None, error
+        try:
+            _cpp_wait(self, _NO_TIMEOUT)  # torch's: calls the waiter, then marks the C++ half completed
+        except Exception:  # noqa: BLE001 - the operation's own error, which wait() raises
+            pass
+
+    def _tensors(self):
+        for item in self._result:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
+
+    def _own_future(self, devices) -> torch.futures.Future:
+        """A Python future completed by a done-callback (CUDA results; torch without ``PythonCallbackWork``)."""
+        future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        result = self._result
+
+        def complete(handle: Handle) -> None:
+            error = handle.exception()
+            if error is None and devices:
+                try:
+                    # A pool stream, not the completing thread's current one: that may be
+                    # the caller's own, which must not wait for the collective.
+                    with torch.cuda.stream(torch.cuda.Stream(devices[0])):
+                        handle.order_current_stream()
+                        future.set_result(result)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the communicator failed since
+                    error = exc
+            future.set_result(result if error is None else _Failed(error))
+
+        # Future.set_exception() completes the future with the exception *as its value*,
+        # which C++ consumers (DDP's reducer) read as tensors and crash on; an error
+        # raised in a then() callback is a real error that they rethrow.
+        self.add_done_callback(complete)
+        return future.then(_value_or_raise)
 
     def _block(self, seconds: float) -> None:
         if self._finished:
@@ -186,3 +407,52 @@ class Handle:
         # The library may still hold the buffers' addresses: they live as long as the engine.
         self._engine._abandoned.append(self._pending)
 
+
+def settle(engine: Engine, handle: Handle) -> None:
+    """Complete what C++ sees of ``handle``, done: its future and its completion.
+
+    A stream-ordered operation (NCCL) is done as it is enqueued, and its C++ future carries no
+    CUDA events for a reader's stream to wait on: that half is settled once the device has
+    finished the operation, which the engine's progress thread polls (:func:`settle_on_device`).
+    """
+    if handle._pending.query is None:
+        handle._settle()
+        return
+    with engine._cv:
+        engine._on_device.append(handle)
+        engine._cv.notify()
+
+
+def settle_on_device(engine: Engine) -> None:
+    """Settle the stream-ordered handles whose device has finished them (the progress thread)."""
+    with engine._cv:
+        waiting, engine._on_device = engine._on_device, []
+    later = []
+    for handle in waiting:
+        try:
+            finished = handle._pending.query()
+        except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
+            finished = True
+        if finished:
+            handle._settle()
+        else:
+            later.append(handle)
+    if later:
+        with engine._cv:
+            engine._on_device[:0] = later
+
+
+class _Failed:
+    """The value a handle's future carries when the operation failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _value_or_raise(future: torch.futures.Future):
+    value = future.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value

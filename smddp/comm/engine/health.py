@@ -42,7 +42,9 @@ class Health:
         self._last_op = ""  # the name of collective number self.seq
         self._last_start = 0.0  # time.monotonic() when the latest synchronous one started
         self._done_seq = 0  # the latest synchronous collective that completed
-        self._last_handle: Optional[Handle] = None  # the latest asynchronous one
+        # The latest asynchronous one while in flight (the engine forgets it once done: it is the
+        # caller's Work); _done_seq then counts it.
+        self._last_handle: Optional[Handle] = None
         self._end_note: Optional[dict] = None  # set when the script ends
         self._statuses: Optional[dict] = None  # the other ranks' answers, asked once
         self._report_lock = threading.Lock()

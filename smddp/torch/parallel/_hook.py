@@ -24,9 +24,12 @@ import torch.distributed as tdist
 
 from smddp import knobs
 from smddp.comm.base import Op
-from smddp.torch import _labels
+from smddp.comm.engine import events as _events
+from smddp.torch import _c10d_events, _labels
 
 __all__ = ["ENV", "allreduce_hook", "completes_inline"]
+
+_profiling = _events.active  # one C call
 
 #: ``SMDDP_DDP_HOOK=0`` keeps torch's default path (the process group's asynchronous allreduce).
 ENV = "SMDDP_DDP_HOOK"
@@ -77,7 +80,13 @@ def allreduce_hook(engine, bucket) -> torch.futures.Future:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         return default_hooks.allreduce_hook(None, bucket)
-    engine.all_reduce(buffer, Op.AVERAGE, label=_labels.all_reduce_label())
+    # torch's reducer would call the group's allreduce here: the profiler sees the same event.
+    event = _c10d_events.begin("allreduce_", {"tensors": [buffer]}) if _profiling() else None
+    try:
+        engine.all_reduce(buffer, Op.AVERAGE, label=_labels.all_reduce_label())
+    finally:
+        if event is not None:
+            _c10d_events.end(event)
     future = torch.futures.Future()
     future.set_result(buffer)
     return future

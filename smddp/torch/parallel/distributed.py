@@ -19,11 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 import smddp.torch.parallel._hook as _hook
 from smddp.comm.base import Op
+from smddp.comm.engine.handle import DETACHABLE
 from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
 from smddp.torch import _compat
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups
-from smddp.torch._work import detached_works
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -208,12 +208,12 @@ class DistributedDataParallel(_TorchDDP):
 
         Raises:
             InvalidArgumentError: ``divide_by_initial_world_size=False`` on a torch without
-                ``PythonCallbackWork`` (torch 2.13 has it), before anything is sent: there torch's
+                ``PythonCallbackWork`` (torch 2.10 and later), before anything is sent: there torch's
                 reducer would wait forever on the ``Work`` of the forward's all-reduce once Python
-                has dropped it (see :mod:`smddp.torch._work`).
+                has dropped it (see :mod:`smddp.comm.engine.handle`).
         """
         divide_by_active = not kwargs.get("divide_by_initial_world_size", True)
-        if divide_by_active and not detached_works():
+        if divide_by_active and not DETACHABLE:
             raise InvalidArgumentError(
                 f"join(divide_by_initial_world_size=False) needs torch's PythonCallbackWork, which torch "
                 f"{torch.__version__} lacks (torch's reducer would wait forever on a dropped Work): use "
