@@ -9,11 +9,13 @@ Modes: ``checks`` (every collective, dtype and op; async operations waited out o
 ``switch`` (all-reduces of every dtype and op at sizes on either side of every size where the
 plane changes path or cuts its steps: the one-step limits, the single-copy threshold, the
 slices, the slot; ``switch light``: float32, bfloat16 and int64 only),
-``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
-not hang), ``idle`` (rank 1 sleeps a second before an all-reduce; the others print the CPU
-seconds their waiting thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python``
+``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces of
+``SHM_CHECKS_KILL_NUMEL`` floats, 1000 by default; the others must fail, not hang), ``idle``
+(rank 1 sleeps a second before an all-reduce; the others print the CPU seconds their waiting
+thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python``
 says which implementation ran the shared-memory plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the
-compiled core off on rank R alone (the ranks must then agree on the Python path).
+compiled core off on rank R alone (the ranks must then agree on the Python path), and
+``SHM_CHECKS_NO_CMA_ON_RANK=R`` the single-copy all-reduce (``SMDDP_SHM_CMA=0``).
 ``SINGLECOPY <rank> <threshold> <count>``: the plane's single-copy threshold (0: the host does not
 read its peers' memory) and how many all-reduces took that path.
 """
@@ -46,8 +48,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
 SIZES = [5, 12_345, 70_000]
 OPS = [Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT]
 
-if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK", "-") == os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK")):
+_LAUNCHED_RANK = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK"))
+if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK", "-") == _LAUNCHED_RANK:
     os.environ["SMDDP_SHM_NATIVE"] = "0"
+if os.environ.get("SHM_CHECKS_NO_CMA_ON_RANK", "-") == _LAUNCHED_RANK:
+    os.environ["SMDDP_SHM_CMA"] = "0"
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()
 engine = groups.current().engine
@@ -280,7 +285,7 @@ def check_switch_points(light: bool) -> None:
 
 
 def kill() -> None:
-    t = torch.ones(1000)
+    t = torch.ones(int(os.environ.get("SHM_CHECKS_KILL_NUMEL", "1000")))
     for i in range(50):
         if rank == 1 and i == 20:
             print(f"KILLING {rank}", flush=True)

@@ -103,8 +103,13 @@ static int exchange_in_place(Op *o) {
                 failed = r, err = errno, writing = 1;
     }
     Py_END_ALLOW_THREADS
+    if (failed >= 0 && err == ESRCH) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "local rank %d of this host's shared-memory group (pid %d) exited in the middle of a "
+                     "collective; the job cannot continue: look for their error output", failed, (int)pids[failed]);
+        return -1;
+    }
     if (failed >= 0) {
-        errno = err;
         PyErr_Format(PyExc_RuntimeError,
                      "the shared-memory plane's single-copy all-reduce could not %s local rank %d's memory "
                      "(pid %d): %s; the result is lost (SMDDP_SHM_CMA=0 turns this path off)",
