@@ -40,11 +40,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, then
+from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.checks import Checks, check_writable
-from smddp.comm.engine.handle import Handle, poll
+from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.progress import Progress
 from smddp.comm.engine.stall import labelled

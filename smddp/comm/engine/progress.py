@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
-from smddp.comm.engine.handle import Handle, poll, settle, settle_on_device
+from smddp.comm.base import poll
+from smddp.comm.engine.handle import Handle, settle, settle_on_device
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
