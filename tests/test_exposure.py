@@ -287,7 +287,10 @@ def test_sigkill_of_the_launcher_leaves_nothing(tmp_path, victim):
     job = Held([*SMDDPRUN, "--launcher", "mpirun", "-np", "2"], 2, tmp_path)
     try:
         everyone = job.processes()
-        ports = {s for socks in listeners_of(everyone).values() for s in socks}
+        # By socket inode, not port: once the job's sockets are closed, another process may
+        # listen on the same port (a busy machine hands ephemeral ports out again).
+        table = listening()
+        ports = {i: table[i] for p in everyone for i in sockets_of(p) if i in table}
         files = _job_files(job.rank_pids())
         assert files, "the ranks map no Open MPI segment: nothing to check"
         target = job.proc.pid if victim == "smddprun" else next(p for p in everyone if comm(p) == "prterun")
@@ -296,7 +299,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(tmp_path, victim):
         while time.monotonic() < deadline and (any(alive(p) for p in everyone) or any(map(os.path.exists, files))):
             time.sleep(0.1)
         left = [(p, comm(p)) for p in everyone if alive(p)]
-        still = set(listening().values()) & ports
+        still = {ports[i] for i in set(listening()) & set(ports)}
         assert left == [], f"still running 10 s after SIGKILL of {victim}: {left}"
         assert still == set(), still
         assert [f for f in files if os.path.exists(f)] == [], files

@@ -351,7 +351,7 @@ def test_stall_report_words():
 
 # ---------------------------------------------------------------------------- the one wait loop
 def test_poll_returns_false_once_the_deadline_has_passed():
-    from smddp.comm.engine.handle import poll
+    from smddp.comm.base import poll
 
     calls = []
 

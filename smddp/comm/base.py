@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Optional, Sequence
@@ -335,3 +336,54 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most backends have nothing to release
         """Release the library's resources. Called once, at ``destroy_process_group()``."""
+
+
+# ---------------------------------------------------------------------------- waiting
+# Busy-poll this many times before yielding the CPU while waiting: small collectives
+# finish within it, and a stalled peer does not cost a whole core for long.
+_HOT_POLLS = 4000
+_WARM_POLLS = 40000
+# A Pending with ``block(seconds)`` (a library that completes on its own threads, like gloo)
+# is slept on in slices of this many seconds instead of polled: polling takes the CPU from
+# the very threads doing the work.
+_BLOCK_SLICE = 0.5
+
+
+def poll(
+    test: Callable[[], bool],
+    deadline: float,
+    block: Optional[Callable[[float], object]] = None,
+    pause: Optional[Callable[[], object]] = None,
+) -> bool:
+    """Call ``test()`` until it returns True or ``deadline`` passes.
+
+    Between two calls the thread waits as suits the operation: ``block(seconds)`` for a
+    library that completes it on threads of its own; else ``pause()`` if given; else it
+    polls busily for the first few thousand calls (small collectives finish within them),
+    then yields the CPU, then sleeps half a millisecond at a time.
+
+    Args:
+        test: returns True once the operation has completed.
+        deadline: a ``time.monotonic()`` time; ``math.inf`` for none.
+        block: sleeps at most the given seconds or until the operation completes (a
+            Pending's ``block``).
+        pause: called between two tests instead of the default back-off.
+
+    Returns:
+        True once ``test()`` did; False when the deadline passed first.
+    """
+    polls = 0
+    while not test():
+        polls += 1
+        if block is None and pause is None and polls <= _HOT_POLLS:
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if block is not None:
+            block(min(_BLOCK_SLICE, deadline - now))
+        elif pause is not None:
+            pause()
+        else:
+            time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+    return True

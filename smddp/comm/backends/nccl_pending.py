@@ -12,8 +12,7 @@ import math
 
 import torch
 
-from smddp.comm.base import Pending
-from smddp.comm.engine.handle import poll
+from smddp.comm.base import Pending, poll
 
 
 # ---------------------------------------------------------------------------- completion

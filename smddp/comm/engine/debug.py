@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from smddp import knobs
-from smddp.comm.base import Communicator, Op
-from smddp.comm.engine.handle import poll
+from smddp.comm.base import Communicator, Op, poll
 from smddp.comm.engine.stall import ranks_text
 from smddp.comm.fingerprint import COMPARED, LABEL, SEQ, WIDTH, describe, differing, explain, fingerprint
 from smddp.errors import CollectiveMismatchError

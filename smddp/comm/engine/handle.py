@@ -14,9 +14,7 @@ whether or not Python still holds the handle. C++ that waits on it (``wait()``) 
 this module's wait loop, which needs nothing but the engine. Torch's ``PythonCallbackWork``
 has no C++ ``result()``: C++ reads the result through the future, as DDP's reducer does.
 
-:func:`poll` is smddp's one wait loop: handles, the engine's synchronous path, the
-``SMDDP_DEBUG`` check, the end of DDP's backward and the stalled-rank reports' store
-queries all wait through it.
+A handle waits through :func:`smddp.comm.base.poll`, smddp's one wait loop.
 """
 
 from __future__ import annotations
@@ -29,13 +27,13 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Pending
+from smddp.comm.base import DONE, Pending, poll
 from smddp.errors import WaitTimeout
 
 if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
-__all__ = ["DETACHABLE", "Handle", "poll", "settle", "settle_on_device"]
+__all__ = ["DETACHABLE", "Handle", "settle", "settle_on_device"]
 
 _C10D = torch._C._distributed_c10d
 #: torch's C++ Work whose ``wait()`` calls a Python function (torch >= 2.10), or None.
@@ -51,56 +49,6 @@ _WorkBase = _CallbackWork or _C10D.Work
 _cpp_future = _WorkBase.get_future  # the C++ half's own future (PythonCallbackWork's)
 _cpp_wait = _WorkBase.wait
 _NO_TIMEOUT = timedelta(0)
-
-# Busy-poll this many times before yielding the CPU while waiting: small collectives
-# finish within it, and a stalled peer does not cost a whole core for long.
-_HOT_POLLS = 4000
-_WARM_POLLS = 40000
-# A Pending with ``block(seconds)`` (a library that completes on its own threads, like gloo)
-# is slept on in slices of this many seconds instead of polled: polling takes the CPU from
-# the very threads doing the work.
-_BLOCK_SLICE = 0.5
-
-
-def poll(
-    test: Callable[[], bool],
-    deadline: float,
-    block: Optional[Callable[[float], object]] = None,
-    pause: Optional[Callable[[], object]] = None,
-) -> bool:
-    """Call ``test()`` until it returns True or ``deadline`` passes.
-
-    Between two calls the thread waits as suits the operation: ``block(seconds)`` for a
-    library that completes it on threads of its own; else ``pause()`` if given; else it
-    polls busily for the first few thousand calls (small collectives finish within them),
-    then yields the CPU, then sleeps half a millisecond at a time.
-
-    Args:
-        test: returns True once the operation has completed.
-        deadline: a ``time.monotonic()`` time; ``math.inf`` for none.
-        block: sleeps at most the given seconds or until the operation completes (a
-            Pending's ``block``).
-        pause: called between two tests instead of the default back-off.
-
-    Returns:
-        True once ``test()`` did; False when the deadline passed first.
-    """
-    polls = 0
-    while not test():
-        polls += 1
-        if block is None and pause is None and polls <= _HOT_POLLS:
-            continue
-        now = time.monotonic()
-        if now > deadline:
-            return False
-        if block is not None:
-            block(min(_BLOCK_SLICE, deadline - now))
-        elif pause is not None:
-            pause()
-        else:
-            time.sleep(0 if polls < _WARM_POLLS else 0.0005)
-    return True
-
 
 def _seconds(timeout) -> Optional[float]:
     """A ``wait()`` timeout in seconds: None for none (torch's ``timedelta(0)`` means none)."""

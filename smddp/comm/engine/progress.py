@@ -1,0 +1,166 @@
+"""The engine's operations in flight: owned, advanced, completed in issue order, drained.
+
+:class:`Progress` is the part of :class:`~smddp.comm.engine.Engine` that keeps every
+asynchronous operation until it completes: the list in flight, the progress thread that tests
+them while the caller computes, the pass that completes them in issue order and runs their
+callbacks, help from a thread about to wait (:meth:`Progress.finish`), and the drain at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+from smddp.comm.base import poll
+from smddp.comm.engine.handle import Handle, settle, settle_on_device
+from smddp.errors import CollectiveError, CollectiveMismatchError
+
+_yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+class Progress:
+    """Operations in flight of an engine; :class:`~smddp.comm.engine.Engine` inherits it."""
+
+    rank: int
+    _closed: bool
+    _cv: threading.Condition
+    _inflight: List[Handle]
+    _on_device: List[Handle]
+    _abandoned: List[object]
+    _thread: Optional[threading.Thread]
+    _last_handle: Optional[Handle]
+    _done_seq: int
+
+    def _track(self, handle: Handle) -> Handle:
+        """Own ``handle`` until it completes; the progress thread advances it meanwhile."""
+        with self._cv:
+            self._inflight.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return handle
+
+    def _poll(self) -> None:
+        """Advance every operation in flight once; complete them in issue order.
+
+        Every Pending is tested on each pass, so a ring whose handle nobody holds keeps
+        posting its stages. A collective is done once its Pending is and every collective
+        issued before it is done; once one fails, the collectives after it fail too (the ranks
+        are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
+        run after the lock is released, in issue order; then each handle is settled (what C++
+        sees of it completes: :func:`~smddp.comm.engine.handle.settle`).
+        """
+        finished: List[Handle] = []
+        settled: List[Handle] = []  # done, no callbacks to run
+        with self._cv:
+            if not self._inflight:
+                return
+            now = time.monotonic()
+            keep: List[Handle] = []
+            blocked: Optional[Handle] = None  # the earliest collective not yet done
+            failed: Optional[Handle] = None  # the earliest that failed and left the ranks out of step
+            for handle in self._inflight:
+                if failed is not None and handle.ordered and handle._error is None:
+                    # Also one whose own Pending finished first (a library's requests may
+                    # complete out of order): after `failed` the ranks are out of step.
+                    cancelled = CollectiveError(
+                        f"{handle.op_name} (sequence number {handle.seq}) was cancelled on rank "
+                        f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
+                        f"before it, failed: {failed._error}")
+                    cancelled.__cause__ = failed._error
+                    if handle._finished:
+                        handle._error = cancelled
+                    else:
+                        handle._finish_failed(cancelled)
+                elif not handle._finished:
+                    handle._advance(now)
+                if not handle.ordered or blocked is None:
+                    if handle._finished:
+                        error = handle._error
+                        # A mismatch leaves the ranks in step: what follows it runs.
+                        if (handle.ordered and error is not None and failed is None
+                                and not isinstance(error, CollectiveMismatchError)):
+                            failed = handle
+                        if handle._callbacks:
+                            finished.append(handle)  # done once its callbacks have run
+                        else:
+                            handle._done = True
+                            settled.append(handle)
+                        continue
+                    if handle.ordered:
+                        blocked = handle
+                keep.append(handle)
+            self._inflight = keep
+            callbacks = []
+            for handle in finished:
+                callbacks.append(handle._callbacks)
+                handle._callbacks = None  # completing: a callback added now runs at once
+        for handle, calls in zip(finished, callbacks):
+            self._call_back(handle, calls)
+            # Done only now: a wait() that returns has seen a raising callback's error.
+            handle._done = True
+            settle(self, handle)
+        for handle in settled:
+            settle(self, handle)
+        latest = self._last_handle
+        if latest is not None and latest._done and self._last_handle is latest:
+            self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
+
+    def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
+        """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
+
+        For a caller that is about to block on them anyway (DDP's reducer at the end of
+        backward): a communicator that moves data only while a thread calls into it
+        (:attr:`~smddp.comm.base.Communicator.progresses_in_caller`) otherwise waits for the
+        progress thread's wake-ups, whole scheduler slices on a busy CPU. The thread yields
+        the CPU between tests; an operation that completes on a thread of its own is slept
+        on instead. Past ``seconds`` the progress thread completes the rest as usual.
+        """
+        give_up = time.monotonic() + seconds
+        for handle in handles:
+            if not poll(handle.is_completed, give_up, getattr(handle._pending, "block", None), _yield_cpu):
+                return False
+        return True
+
+    def _call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback(handle)
+            except Exception as exc:  # noqa: BLE001 - fails this operation, not the progress thread
+                error = CollectiveError(
+                    f"a done-callback of {handle.op_name} (sequence number {handle.seq}) raised on rank "
+                    f"{self.rank}: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                print(f"smddp: {error}", file=sys.stderr)
+                if handle._error is None:
+                    handle._error = error
+
+    def _progress(self) -> None:
+        """The progress thread: advance operations in flight while the caller computes."""
+        while True:
+            with self._cv:
+                while not self._inflight and not self._on_device and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._inflight:
+                    return
+            self._poll()
+            if self._on_device:
+                settle_on_device(self)
+            time.sleep(2e-5)
+
+    def _drain(self) -> bool:
+        """Wait for every operation in flight, each within its deadline; True if all completed."""
+        while True:
+            with self._cv:
+                if not self._inflight:
+                    return not self._abandoned
+                last = self._inflight[-1]
+            try:
+                last.wait()
+            except CollectiveError as exc:
+                print(f"smddp: rank {self.rank}: at teardown: {exc}", file=sys.stderr)
