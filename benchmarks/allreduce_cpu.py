@@ -17,7 +17,14 @@ Methods, all on float32 SUM, in place, over the same ranks:
 - ``gloo``: ``torch.distributed.all_reduce(t, group=g)``, ``g = new_group(backend="gloo")``;
 - ``mpi4py-tensor``: ``comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)`` on the torch tensor
   (DLPack), the call a user of mpi4py writes;
-- ``mpi4py-numpy``: the same on a numpy array, mpi4py's fastest path;
+- ``mpi4py-numpy``: the same on a numpy array, mpi4py's fastest path (numpy asks the kernel
+  for transparent huge pages for arrays from 4 MiB; torch does so only under
+  ``THP_MEM_ALLOC_ENABLE=1``, so at large sizes this is another kind of memory than the tensor's);
+- ``smddp-numpy``: ``dist.all_reduce`` on a tensor over numpy's memory (``torch.from_numpy``):
+  smddp on the memory ``mpi4py-numpy`` runs on;
+- ``smddp-segment`` (where the group runs the single-copy all-reduce): ``dist.all_reduce`` with
+  the single-copy path turned off on every rank for the call: the copy through the shared
+  segment on the same tensor, to compare the two paths in the same rounds;
 - ``floor``: the least time an all-reduce of that size can take on this machine, measured in
   the same rounds: every rank at once runs numpy's ``add(x, y, out=x)`` on two arrays of the
   message's size (two reads and one write per element: the copy bandwidth the ranks get
@@ -86,6 +93,7 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
     numel = nbytes // 4
     tensor = torch.ones(numel)
     array = np.ones(numel, dtype=np.float32)
+    pages = torch.from_numpy(np.ones(numel, dtype=np.float32))  # numpy's memory, as mpi4py-numpy's
     x, y = np.ones(numel, dtype=np.float32), np.ones(numel, dtype=np.float32)
     lead = comm.Get_rank() == 0
     methods = {
@@ -122,8 +130,19 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
                     pass
 
             methods["shm-core"] = through_core
-    methods["_reset"] = lambda: (tensor.fill_(1.0), array.fill(1.0))
-    methods["_check"] = lambda: (float(tensor[0]), float(array[0]))
+    plane = getattr(groups.current().engine.comms["cpu"], "_shm", None)
+    if getattr(plane, "single_copy_min", 0):
+        def segment_path():  # every rank turns it off and on at the same call: the group's choice holds
+            plane._seg.single_copy_min = 0
+            try:
+                dist.all_reduce(tensor)
+            finally:
+                plane._seg.single_copy_min = plane.single_copy_min
+
+        methods["smddp-segment"] = segment_path
+    methods["smddp-numpy"] = lambda: dist.all_reduce(pages)
+    methods["_reset"] = lambda: (tensor.fill_(1.0), array.fill(1.0), pages.fill_(1.0))
+    methods["_check"] = lambda name: float({"mpi4py-numpy": array, "smddp-numpy": pages}.get(name, tensor)[0])
     return methods
 
 
@@ -144,7 +163,7 @@ def measure(nbytes: int, rounds: int, iters: int, comm, gloo, layers: bool) -> D
         methods[name]()
         if name in FLOORS:
             continue
-        value = check()[1 if name == "mpi4py-numpy" else 0]
+        value = check(name)
         if value != size:
             raise RuntimeError(f"{name} at {nbytes} bytes gave {value}, expected {size}")
     per_round = {name: np.zeros(rounds) for name in names}

@@ -70,7 +70,7 @@ class PlaneSettings:
     chunk_bytes: int = 1 << 20
     one_shot_max: int = 32 << 10
     cma: bool = True
-    cma_min_bytes: int = 1 << 20
+    cma_min_bytes: int = 64 << 20
 
 
 def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:

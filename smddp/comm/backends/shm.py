@@ -12,7 +12,7 @@ buffers. No trailing barrier: the epoch words order everything.
   (32 KiB) in the compiled core, a fixed 1 MiB in the Python path.
 - where the kernel lets a host's ranks read and write each other's memory (probed at set-up,
   :mod:`smddp.comm.backends.shm_cma`), the compiled core's all-reduces from the group's
-  ``SMDDP_SHM_CMA_MIN_BYTES`` (1 MiB) skip the segment: each rank reads its part of every
+  ``SMDDP_SHM_CMA_MIN_BYTES`` (64 MiB) skip the segment: each rank reads its part of every
   peer's buffer, reduces it into its own and writes the result into theirs (``_shm_cma.h``);
   the same parts, the same rank order, the same bits.
 - the sizes and thresholds are the group's agreed layout's (:mod:`smddp.comm.layout`), the
