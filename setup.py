@@ -13,7 +13,8 @@ setup(
             ["smddp/comm/backends/_shm_native.c"],
             # One translation unit: the .c includes these (listed, they ship in the sdist too).
             depends=["smddp/comm/backends/_shm_fold.h", "smddp/comm/backends/_shm_sync.h",
-                     "smddp/comm/backends/_shm_ops.h", "smddp/comm/backends/_shm_op_type.h"],
+                     "smddp/comm/backends/_shm_ops.h", "smddp/comm/backends/_shm_cma.h",
+                     "smddp/comm/backends/_shm_op_type.h"],
             extra_compile_args=["-O3", "-std=gnu11"],
             optional=True,
         )

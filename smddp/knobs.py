@@ -92,6 +92,15 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob("SMDDP_SHM_ONE_SHOT_MAX", 32 << 10, _bytes,
          "all-reduces up to this many bytes run in one step in the compiled core",
          "larger: fewer synchronisations, but every rank reduces every byte"),
+    Knob("SMDDP_SHM_CMA", True, flag,
+         "0: large all-reduces on one host copy through the shared segment instead of reading and "
+         "writing the peers' buffers directly (cross-memory attach: process_vm_readv/writev); a "
+         "rank with it off turns it off for its host"),
+    Knob("SMDDP_SHM_CMA_MIN_BYTES", 64 << 20, _bytes,
+         "all-reduces of at least this many bytes read and write the peers' buffers directly, where "
+         "the kernel lets the host's ranks do so",
+         "lower: smaller messages skip the segment's copies but pay the kernel's cost per page "
+         "(benchmarks/allreduce_cpu.py's smddp-segment column shows which wins on a machine)"),
     Knob("SMDDP_SHM_SPIN_US", 20.0, float,
          "microseconds a wait on the peers spins before it sleeps",
          "longer: lower latency when peers are close behind, less CPU for a rank still computing"),

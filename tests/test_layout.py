@@ -45,7 +45,7 @@ AGREED = "1048576 1048576 32768 262144 1048576"  # slot, chunk, one-shot, thresh
 # ---------------------------------------------------------------------------- the rules
 def proposal(host: str, slot: int = 4 << 20, native: bool = True, **changes) -> dict:
     mine = layout.proposal("auto", True, native, native, {"slot": slot, "chunk": 1 << 20, "one_shot": 32 << 10,
-                                                          "hier_min": 256 << 10})
+                                                          "cma_min": 1 << 20, "hier_min": 256 << 10})
     mine.update(host=host, **changes)
     return mine
 
@@ -77,6 +77,42 @@ def test_another_protocol_or_a_malformed_proposal_is_seen():
         agree([proposal("a"), dict(proposal("a"), slot="../../etc")])
     with pytest.raises(BackendUnavailableError, match=r"rank 1 .*host"):
         agree([proposal("a"), {"slot": 1}])
+
+
+def test_a_host_reads_its_mates_memory_only_if_every_rank_reached_every_other():
+    """Issue 37: each rank probes its host-mates; a host takes the single-copy path only if every
+    vote is yes, and every rank of the group computes the same answer (and why not)."""
+    offer = {"pid": 1, "addr": 4096, "token": 7}
+    host_a = [proposal("a", cma=offer), proposal("a", cma=offer)]
+
+    def vote(entries, rank, refusal, votes):
+        store = tdist.HashStore()
+        for r, entry in enumerate(entries):
+            if r != rank:
+                store.set(f"hostmates/{r}", json.dumps(entry))
+        for r, text in votes.items():
+            store.set(f"cma/{r}", text)
+        agreed = layout.agree(store, rank, len(entries), entries[rank], refusal)
+        return agreed, store
+
+    agreed, store = vote(host_a + [proposal("b", cma=offer), proposal("b")], 0, lambda peer: "", {1: "1"})
+    assert agreed.cma == (True, False) and store.get("cma/0") == b"1"
+    assert agreed.cma_why == ("", "local rank 1 offered none (SMDDP_SHM_CMA=0, or no cross-memory attach)")
+    assert agreed.cma_min_bytes == 1 << 20
+    # Rank 1 could not reach rank 0: the host says no, on rank 0 too, with rank 1's reason.
+    agreed, _ = vote(host_a, 0, lambda peer: "", {1: "0local rank 1 cannot read or write local rank 0's memory"})
+    assert agreed.cma == (False,) and "local rank 1 cannot" in agreed.cma_why[0]
+    # This rank is refused: it votes no and says why.
+    agreed, store = vote(host_a, 1, lambda peer: "Operation not permitted", {0: "1"})
+    assert agreed.cma == (False,) and store.get("cma/1").startswith(b"0local rank 1 cannot read or write local rank 0")
+    # No core on a rank, or one rank on the host: no round at all (no vote is read or written).
+    agreed, store = vote([proposal("a", cma=offer), proposal("a", native=False, cma=offer)], 0, None, {})
+    assert agreed.cma == (False,) and "does not run the compiled core" in agreed.cma_why[0]
+    assert not store.check(["cma/0"])
+    agreed, _ = vote([proposal("a", cma=offer), proposal("b", cma=offer)], 0, None, {})
+    assert agreed.cma == (False, False) and agreed.cma_why == ("one rank on the host",) * 2
+    with pytest.raises(BackendUnavailableError, match=r"rank 1 .*cma"):
+        vote([proposal("a", cma=offer), proposal("a", cma={"pid": "../x"})], 0, None, {})
 
 
 def test_host_identity_has_the_pid_and_network_namespaces():

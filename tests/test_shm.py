@@ -18,7 +18,7 @@ import pytest
 from smddp.comm.backends.shm_segment import pid_namespace, sweep_stale
 from smddp.comm.cpu import settings
 
-from launchers import SCRIPTS, mpirun, rank_lines, untagged
+from launchers import SCRIPTS, mpirun, rank_lines, torchrun, untagged
 
 SCRIPT = str(SCRIPTS / "shm_checks.py")
 SHM = Path("/dev/shm")
@@ -239,3 +239,77 @@ def test_slot_below_the_minimum_falls_back_to_mpi_with_one_warning():
     result = mpirun(2, [SCRIPT, "checks", "mpi"], timeout=300, env={"SMDDP_SHM_SLOT_BYTES": "4096"})
     assert_all_ranks_passed(result, 2, "mpi")
     assert result.output.count("below the shared-memory plane's minimum") == 1, result.output
+
+
+# ---------------------------------------------------------------------------- single copy (issue 37)
+#: Small sizes, so that every switch point is a few hundred KiB: the core's one-step limit (4 KiB),
+#: its steps (64 KiB), the single-copy threshold (an odd 100,000 bytes), the slot (256 KiB: the
+#: Python path's one-step limit and slice).
+SWITCHES = {"SMDDP_SHM_SLOT_BYTES": "262144", "SMDDP_SHM_CHUNK_BYTES": "65536", "SMDDP_SHM_ONE_SHOT_MAX": "4096",
+            "SMDDP_SHM_CMA_MIN_BYTES": "100000"}
+
+
+def single_copy(result, size: int) -> dict:
+    """``{rank: (threshold, all-reduces run single-copy)}``, after checking every rank passed, bit for bit."""
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "PASSED")) == list(range(size)), result.output
+    assert len(set(rank_lines(result.stdout, "DIGEST").values())) == 1, result.output
+    return {r: tuple(map(int, v.split())) for r, v in rank_lines(result.stdout, "SINGLECOPY").items()}
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_single_copy_and_segment_paths_agree_bit_for_bit_at_every_switch_point(np):
+    """Every dtype and op, at sizes on either side of every switch point: exact on every rank, and
+    the single-copy path, the segment path and the Python path give the same bits."""
+    before = ours()
+    runs = {}
+    for path, extra in (("single", {}), ("segment", {"SMDDP_SHM_CMA": "0"}), ("python", {"SMDDP_SHM_NATIVE": "0"})):
+        runs[path] = mpirun(np, [SCRIPT, "switch", "shm"], timeout=300, env={**SWITCHES, **extra})
+        counts = single_copy(runs[path], np)
+        if path == "single":  # the threshold is the group's; every rank ran the same all-reduces that way
+            assert len(set(counts.values())) == 1 and counts[0][0] == 100000 and counts[0][1] > 0, counts
+        else:
+            assert set(counts.values()) == {(0, 0)}, counts
+    digests = {path: rank_lines(result.stdout, "DIGEST")[0] for path, result in runs.items()}
+    assert len(set(digests.values())) == 1, digests
+    assert ours() <= before
+
+
+def test_a_rank_that_turns_single_copy_off_turns_it_off_for_its_host():
+    result = mpirun(3, [SCRIPT, "switch", "shm", "light"], timeout=300,
+                    env={**SWITCHES, "SHM_CHECKS_NO_CMA_ON_RANK": "2", "SMDDP_DEBUG": "1"})
+    assert set(single_copy(result, 3).values()) == {(0, 0)}, result.output
+    assert "smddp: single-copy all-reduce: off (local rank 2 offered none (SMDDP_SHM_CMA=0" in result.stderr, \
+        result.stderr
+
+
+def test_a_rank_killed_during_single_copy_all_reduces_fails_the_job_and_leaves_nothing():
+    before = ours()
+    env = {**SWITCHES, "SHM_CHECKS_KILL_NUMEL": str(1 << 20), "SMDDP_TIMEOUT": "60"}
+    result = mpirun(2, [SCRIPT, "kill", "shm"], timeout=120, env=env)
+    assert result.returncode != 0, result.output
+    assert "KILLING 1" in result.stdout and "UNREACHABLE" not in result.stdout, result.output
+    assert ours() <= before, ours() - before
+
+
+def test_a_kernel_that_refuses_cross_memory_attach_gets_the_segment_path():
+    """Ranks of one user in two groups, without CAP_SYS_PTRACE: the kernel refuses each one's
+    process_vm_readv of the other's memory. The set-up probe sees it, the host votes no, and the
+    all-reduces take the segment path, with the bits of a job where the ranks may read each other.
+
+    torchrun starts them (Open MPI's PMIx refuses ranks of another group); ``setpriv`` sets each
+    rank's group and drops the capability, as a container without ``CAP_SYS_PTRACE`` would.
+    """
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv (util-linux) to run the ranks in different groups")
+    wrap = f"exec {setpriv} --bounding-set=-sys_ptrace --regid=$((4000 + LOCAL_RANK)) --clear-groups \"$@\""
+    argv = ["sh", "-c", wrap, "sh", sys.executable, SCRIPT, "switch", "shm", "light"]
+    refused = torchrun(2, argv, timeout=300, env={**SWITCHES, "SMDDP_DEBUG": "1"}, torchrun_args=["--no-python"])
+    assert set(single_copy(refused, 2).values()) == {(0, 0)}, refused.output
+    assert "single-copy all-reduce: off (local rank 0 cannot read or write local rank 1's memory " \
+           "(Operation not permitted" in refused.output, refused.output
+    allowed = torchrun(2, [SCRIPT, "switch", "shm", "light"], timeout=300, env=SWITCHES)
+    counts = single_copy(allowed, 2)
+    assert counts[0][1] > 0 and counts[0] == counts[1], allowed.output
+    assert rank_lines(refused.stdout, "DIGEST")[0] == rank_lines(allowed.stdout, "DIGEST")[0]

@@ -58,6 +58,8 @@ class PlaneSettings:
         slot: ``SMDDP_SHM_SLOT_BYTES``: bytes of each shared-memory buffer.
         chunk_bytes: ``SMDDP_SHM_CHUNK_BYTES``: bytes per step of the compiled core's larger collectives.
         one_shot_max: ``SMDDP_SHM_ONE_SHOT_MAX``: the compiled core's one-step all-reduce limit.
+        cma: ``SMDDP_SHM_CMA`` is not off (this rank offers the single-copy all-reduce).
+        cma_min_bytes: ``SMDDP_SHM_CMA_MIN_BYTES``: the single-copy all-reduce's threshold.
     """
 
     plane: str = "auto"
@@ -67,6 +69,8 @@ class PlaneSettings:
     slot: int = 4 << 20
     chunk_bytes: int = 1 << 20
     one_shot_max: int = 32 << 10
+    cma: bool = True
+    cma_min_bytes: int = 64 << 20
 
 
 def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
@@ -87,6 +91,8 @@ def settings(env: Mapping[str, str] = os.environ) -> PlaneSettings:
         slot=knobs.value("SMDDP_SHM_SLOT_BYTES", env),
         chunk_bytes=knobs.value("SMDDP_SHM_CHUNK_BYTES", env),
         one_shot_max=knobs.value("SMDDP_SHM_ONE_SHOT_MAX", env),
+        cma=knobs.value("SMDDP_SHM_CMA", env),
+        cma_min_bytes=knobs.value("SMDDP_SHM_CMA_MIN_BYTES", env),
     )
 
 
@@ -127,14 +133,16 @@ def meet(ctx: Context, found: PlaneSettings) -> Context:
     """
     if ctx.topology.size == 1 or ctx.store is None:
         return ctx
-    from smddp.comm.backends import shm
+    from smddp.comm.backends import shm, shm_cma
     from smddp.comm.backends.shm_segment import supported
 
     tuning = {"slot": found.slot, "chunk": found.chunk_bytes, "one_shot": found.one_shot_max,
-              "hier_min": found.hierarchical_min_bytes}
+              "cma_min": found.cma_min_bytes, "hier_min": found.hierarchical_min_bytes}
     core = found.native and shm.native is not None
-    mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning)
-    agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine)
+    offer = shm_cma.offer() if core and found.cma else None
+    mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning,
+                           cma=offer)
+    agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine, shm_cma.refusal)
     topology = ctx.topology
     if topology.launcher == "explicit":
         # Rank and size came as arguments: no launcher counted this host's ranks; the group did.
@@ -191,6 +199,11 @@ def compose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str =
     if found.debug and comm.rank == 0:
         where = "" if group == "world" else f" of group {group!r}"
         print(f"smddp: CPU plane{where}: {comm.plane} ({why})", file=sys.stderr, flush=True)
+        if comm.plane == "shm":
+            host = agreed.mates.host
+            single = (f"from {agreed.cma_min_bytes} bytes" if agreed.cma[host] and agreed.native[host]
+                      else f"off ({agreed.cma_why[host] or 'the Python path'})")
+            print(f"smddp: single-copy all-reduce{where}: {single}", file=sys.stderr, flush=True)
     return comm
 
 

@@ -5,7 +5,8 @@ that finds its host-mates (:func:`smddp.comm.backends.hostmates.exchange`), what
 would do: its host identity (:func:`host_identity`), whether it can run the shared-memory plane
 and its compiled core, the version of the wire protocol it speaks, and its settings of every
 knob that picks a path or cuts the bytes (``SMDDP_CPU_PLANE``, ``SMDDP_SHM_SLOT_BYTES``,
-``SMDDP_SHM_CHUNK_BYTES``, ``SMDDP_SHM_ONE_SHOT_MAX``, ``SMDDP_HIERARCHICAL_MIN_BYTES``). Every
+``SMDDP_SHM_CHUNK_BYTES``, ``SMDDP_SHM_ONE_SHOT_MAX``, ``SMDDP_SHM_CMA_MIN_BYTES``,
+``SMDDP_HIERARCHICAL_MIN_BYTES``). Every
 rank reads every rank's and computes the same :class:`Layout` (:func:`agree`); from then on no
 rank decides such a thing from its own settings:
 
@@ -14,7 +15,12 @@ rank decides such a thing from its own settings:
 - what a host can run: a host runs the compiled core only when every one of its ranks has it
   (and wants it); otherwise its ranks run the Python path, which speaks the same protocol and
   cuts the bytes between hosts the same way (:attr:`Layout.part_bytes`);
-- ranks that speak different protocols (different smddp versions) get no plane at all.
+- ranks that speak different protocols (different smddp versions) get no plane at all;
+- whether a host's ranks may read and write each other's memory (the compiled core's
+  single-copy all-reduce, :mod:`smddp.comm.backends.shm_cma`) is tried, not assumed: each rank
+  offers a probe word in its proposal, probes every host-mate's for real, and publishes its vote
+  in a second round; a host takes the path only if every one of its ranks reached every other,
+  and from rank 0's ``SMDDP_SHM_CMA_MIN_BYTES``.
 
 Values read from the store are validated, never trusted as they are: a malformed one raises.
 """
@@ -24,20 +30,21 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from smddp import knobs
-from smddp.comm.backends import hostmates
+from smddp.comm.backends import hostmates, shm_cma
 from smddp.errors import BackendUnavailableError
 
 #: The version of what ranks exchange on the wire (the shared-memory protocol, the check rows):
 #: ranks that publish different ones never share a plane.
-PROTOCOL = 2
+PROTOCOL = 3
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 #: The knobs each rank proposes, with the layout's field for each.
 _TUNING = (("slot", "SMDDP_SHM_SLOT_BYTES"), ("chunk", "SMDDP_SHM_CHUNK_BYTES"),
-           ("one_shot", "SMDDP_SHM_ONE_SHOT_MAX"), ("hier_min", "SMDDP_HIERARCHICAL_MIN_BYTES"))
+           ("one_shot", "SMDDP_SHM_ONE_SHOT_MAX"), ("cma_min", "SMDDP_SHM_CMA_MIN_BYTES"),
+           ("hier_min", "SMDDP_HIERARCHICAL_MIN_BYTES"))
 
 
 def _namespace(kind: str) -> str:
@@ -83,10 +90,15 @@ class Layout:
         slot: bytes of each shared-memory buffer (the smallest any rank asked for).
         chunk_bytes: bytes per step of the compiled core's larger collectives (rank 0's).
         one_shot_max: all-reduces up to this many bytes are one step in the compiled core (rank 0's).
+        cma_min_bytes: on a host whose :attr:`cma` is True, all-reduces of at least this many bytes
+            (above ``one_shot_max``) read and write the peers' buffers directly (rank 0's).
         hierarchical_min_bytes: all-reduces below this stay flat on the hierarchical plane (rank 0's).
         shm: per host, whether every one of its ranks can run the shared-memory plane.
         native: per host, whether every one of its ranks runs the compiled core.
         native_f16: per host, whether every one of its ranks' cores reduces float16.
+        cma: per host, whether its ranks run the single-copy all-reduce: each runs the compiled
+            core, offered it, and read and wrote every host-mate's probe word.
+        cma_why: per host, why it does not ("" where it does).
         same_protocol: every rank speaks :data:`PROTOCOL`.
         differs: the knobs some rank set to another value than the layout's.
     """
@@ -96,10 +108,13 @@ class Layout:
     slot: int
     chunk_bytes: int
     one_shot_max: int
+    cma_min_bytes: int
     hierarchical_min_bytes: int
     shm: Tuple[bool, ...]
     native: Tuple[bool, ...]
     native_f16: Tuple[bool, ...]
+    cma: Tuple[bool, ...]
+    cma_why: Tuple[str, ...]
     same_protocol: bool
     differs: Tuple[str, ...]
 
@@ -115,7 +130,7 @@ class Layout:
 
 
 def proposal(plane: str, shm: bool, native: bool, native_f16: bool, tuning: Mapping[str, int],
-             env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+             env: Optional[Mapping[str, str]] = None, cma: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
     """What this rank publishes: its identity, what it can run, and its settings.
 
     Args:
@@ -123,16 +138,19 @@ def proposal(plane: str, shm: bool, native: bool, native_f16: bool, tuning: Mapp
         shm: it can run the shared-memory plane (x86-64 Linux with a shared-memory directory).
         native: its compiled core is built and ``SMDDP_SHM_NATIVE`` is not off.
         native_f16: its core reduces float16.
-        tuning: its ``slot``, ``chunk``, ``one_shot`` and ``hier_min`` byte counts.
+        tuning: its ``slot``, ``chunk``, ``one_shot``, ``cma_min`` and ``hier_min`` byte counts.
         env: the environment the identity is read from.
+        cma: its probe word (:func:`smddp.comm.backends.shm_cma.offer`), or None: it will not read or
+            write its host-mates' memory (no core, ``SMDDP_SHM_CMA=0``).
     """
     mine = {"host": host_identity(env), "protocol": PROTOCOL, "plane": plane, "ok": bool(shm),
-            "native": bool(native), "f16": bool(native_f16)}
+            "native": bool(native), "f16": bool(native_f16), "cma": dict(cma) if cma else None}
     mine.update({field: int(tuning[field]) for field, _ in _TUNING})
     return mine
 
 
-def agree(store, rank: int, size: int, mine: Mapping[str, Any]) -> Layout:
+def agree(store, rank: int, size: int, mine: Mapping[str, Any],
+          refusal: Optional[Callable[[Mapping[str, int]], str]] = None) -> Layout:
     """Publish ``mine`` (:func:`proposal`), read every rank's, and compute the group's layout.
 
     Args:
@@ -140,6 +158,8 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any]) -> Layout:
         rank: this rank in the group.
         size: the group's size.
         mine: this rank's :func:`proposal`.
+        refusal: probes a host-mate's probe word for real: "" if this rank may read and write its
+            memory, else why not (:func:`smddp.comm.backends.shm_cma.refusal`); None: it may not.
 
     Raises:
         BackendUnavailableError: a rank published something that is not a proposal.
@@ -158,12 +178,44 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any]) -> Layout:
     def every(key: str) -> Tuple[bool, ...]:
         return tuple(all(info[r][key] for r in members) for members in mates.hosts)
 
+    cma, cma_why = _vote(store, mates, refusal)
     return Layout(
         mates=mates, plane=first["plane"], slot=tuning["slot"], chunk_bytes=tuning["chunk"],
-        one_shot_max=tuning["one_shot"], hierarchical_min_bytes=tuning["hier_min"],
-        shm=every("ok"), native=every("native"), native_f16=every("f16"),
+        one_shot_max=tuning["one_shot"], cma_min_bytes=tuning["cma_min"], hierarchical_min_bytes=tuning["hier_min"],
+        shm=every("ok"), native=every("native"), native_f16=every("f16"), cma=cma, cma_why=cma_why,
         same_protocol=all(entry["protocol"] == PROTOCOL for entry in info), differs=tuple(differs),
     )
+
+
+def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...], Tuple[str, ...]]:
+    """Per host: may its ranks read and write each other's memory, and if not, why.
+
+    On a host whose ranks all run the core and offered it, each rank probes every host-mate and
+    publishes its vote; the host's answer is yes only if every vote is. Every rank reads the same
+    votes, so every rank has the same answer; where no host could, there is no round (every rank
+    knows that from the proposals).
+    """
+    info = mates.info
+    why = []
+    for members in mates.hosts:
+        core = [local for local, r in enumerate(members) if not info[r]["native"]]
+        offered = [local for local, r in enumerate(members) if not info[r]["cma"]]
+        why.append("one rank on the host" if len(members) < 2 else
+                   f"local rank {core[0]} does not run the compiled core" if core else
+                   f"local rank {offered[0]} offered none (SMDDP_SHM_CMA=0, or no cross-memory attach)"
+                   if offered else "")
+    if not why[mates.host]:
+        me = mates.rank
+        refused = [(local, refusal(info[r]["cma"]) if refusal is not None else "no probe")
+                   for local, r in enumerate(mates.ranks) if r != me]
+        refused = [f"local rank {mates.local_rank} cannot read or write local rank {local}'s memory ({text})"
+                   for local, text in refused if text]
+        store.set(f"cma/{me}", "0" + refused[0] if refused else "1")
+    for h, members in enumerate(mates.hosts):
+        if not why[h]:
+            votes = (store.get(f"cma/{r}").decode(errors="replace") for r in members)
+            why[h] = next((vote[1:201] or "a rank voted no" for vote in votes if vote != "1"), "")
+    return tuple(not text for text in why), tuple(why)
 
 
 def _validate(rank: int, entry: Any) -> None:
@@ -173,6 +225,8 @@ def _validate(rank: int, entry: Any) -> None:
     bad = [key for key, kind in kinds if not isinstance(entry, dict) or type(entry.get(key)) is not kind]
     if not bad:
         bad = [field for field, _ in _TUNING if entry[field] < 1]
+        if not shm_cma.valid(entry.get("cma")):
+            bad.append("cma")
     if bad:
         raise BackendUnavailableError(
             f"rank {rank} of the group published a layout smddp cannot use (fields {', '.join(bad)}): "

@@ -6,11 +6,18 @@ every rank's inputs from seeds, so it knows the exact answer without communicati
 must agree bit for bit), ``PLANES <rank> <collective:plane,...>``, then ``PASSED <rank> <count>``.
 
 Modes: ``checks`` (every collective, dtype and op; async operations waited out of order),
-``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces; the others must fail,
-not hang), ``idle`` (rank 1 sleeps a second before an all-reduce; the others print the CPU
-seconds their waiting thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python``
+``switch`` (all-reduces of every dtype and op at sizes on either side of every size where the
+plane changes path or cuts its steps: the one-step limits, the single-copy threshold, the
+slices, the slot; ``switch light``: float32, bfloat16 and int64 only),
+``kill`` (rank 1 kills itself with SIGKILL in the middle of all-reduces of
+``SHM_CHECKS_KILL_NUMEL`` floats, 1000 by default; the others must fail, not hang), ``idle``
+(rank 1 sleeps a second before an all-reduce; the others print the CPU seconds their waiting
+thread used, ``WAITCPU <rank> <cpu> <wall>``). ``CORE <rank> native|python``
 says which implementation ran the shared-memory plane; ``SHM_CHECKS_PYTHON_ON_RANK=R`` turns the
-compiled core off on rank R alone (the ranks must then agree on the Python path).
+compiled core off on rank R alone (the ranks must then agree on the Python path), and
+``SHM_CHECKS_NO_CMA_ON_RANK=R`` the single-copy all-reduce (``SMDDP_SHM_CMA=0``).
+``SINGLECOPY <rank> <threshold> <count>``: the plane's single-copy threshold (0: the host does not
+read its peers' memory) and how many all-reduces took that path.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ torch.set_num_threads(1)
 
 import smddp.torch.distributed as dist  # noqa: E402
 from smddp.comm.algorithms import derived  # noqa: E402
+from smddp.comm.backends.shm_torch import ONE_SHOT_MAX  # noqa: E402
 from smddp.comm.base import Op  # noqa: E402
 from smddp.torch import groups  # noqa: E402
 
@@ -40,8 +48,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
 SIZES = [5, 12_345, 70_000]
 OPS = [Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT]
 
-if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK") == os.environ.get("OMPI_COMM_WORLD_RANK"):
+_LAUNCHED_RANK = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK"))
+if os.environ.get("SHM_CHECKS_PYTHON_ON_RANK", "-") == _LAUNCHED_RANK:
     os.environ["SMDDP_SHM_NATIVE"] = "0"
+if os.environ.get("SHM_CHECKS_NO_CMA_ON_RANK", "-") == _LAUNCHED_RANK:
+    os.environ["SMDDP_SHM_CMA"] = "0"
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()
 engine = groups.current().engine
@@ -230,8 +241,51 @@ def check_async_out_of_order() -> None:
     passed("async-reverse-waits")
 
 
+def switch_sizes(itemsize: int) -> list:
+    """Element counts on either side of every byte count where an all-reduce changes path or cut.
+
+    From the group's agreed layout, which is the same whichever path runs (so jobs on different
+    paths compare bit for bit): the compiled core's one-step limit, the single-copy threshold,
+    the slot (the Python path's one-step limit and slice) and slices of the core's steps, among
+    them one whose last slice has fewer elements than there are ranks.
+    """
+    agreed = comm.layout
+    chunk = min(agreed.chunk_bytes, agreed.slot) // itemsize
+    edges = {agreed.one_shot_max, agreed.cma_min_bytes, agreed.slot, min(ONE_SHOT_MAX, agreed.slot)}
+    counts = {n + d for edge in edges for n in (edge // itemsize,) for d in (-1, 0, 1)}
+    first = -(-max(agreed.cma_min_bytes // itemsize, chunk) // chunk)  # slices in the first sliced size
+    counts |= {first * chunk + 1, (first + 1) * chunk + size - 1}
+    return sorted(n for n in counts if n > 0)
+
+
+def check_switch_points(light: bool) -> None:
+    """Exact results at every switch point; random floats into DIGEST (bit for bit across paths)."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64] if light else DTYPES
+    ops = [Op.SUM, Op.AVERAGE, Op.MAX] if light else OPS
+    for dtype in dtypes:
+        for numel in switch_sizes(dtype.itemsize):
+            for op in ops:
+                if op is Op.PRODUCT and dtype in (torch.int8, torch.uint8, torch.float16, torch.bfloat16):
+                    continue  # products of 2s overflow these
+                stack = torch.stack([values(r, numel, dtype, 9, op) for r in range(size)])
+                t = stack[rank].clone()
+                if op is Op.PRODUCT:  # not in smddp's ReduceOp: straight to the engine
+                    engine.all_reduce(t, op)
+                else:
+                    dist.all_reduce(t, op=_REDUCE_OPS[op])
+                want = expected(stack, op, dtype)
+                assert torch.equal(t, want), (dtype, numel, op, (t != want).nonzero()[:5])
+                passed(f"switch/{dtype}/{numel}/{op.name}")
+            if dtype.is_floating_point:
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVERAGE):
+                    g = [torch.Generator().manual_seed(1000 * r + numel) for r in range(size)]
+                    t = torch.randn(numel, generator=g[rank], dtype=torch.float64).to(dtype)
+                    dist.all_reduce(t, op=op)
+                    digest.update(t.view(torch.uint8).numpy().tobytes())
+
+
 def kill() -> None:
-    t = torch.ones(1000)
+    t = torch.ones(int(os.environ.get("SHM_CHECKS_KILL_NUMEL", "1000")))
     for i in range(50):
         if rank == 1 and i == 20:
             print(f"KILLING {rank}", flush=True)
@@ -265,6 +319,13 @@ if MODE == "kill":
     kill()
 elif MODE == "idle":
     idle()
+elif MODE == "switch":
+    check_switch_points(sys.argv[3:] == ["light"])
+    ops = shm_plane._seg.single_copy_ops if shm_plane.native else 0
+    print(f"SINGLECOPY {rank} {shm_plane.single_copy_min} {ops}", flush=True)
+    print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
+    dist.destroy_process_group()
+    print(f"PASSED {rank} {checks}", flush=True)
 else:
     check_all_reduce()
     check_random_bits()

@@ -49,6 +49,7 @@
 #include "_shm_fold.h"
 #include "_shm_sync.h"
 #include "_shm_ops.h"
+#include "_shm_cma.h"
 
 #include "_shm_op_type.h"
 
@@ -68,7 +69,7 @@ static Op *new_op(Segment *s, int kind) {
     o->op = R_SUM;
     o->esize = 1;
     o->root = 0;
-    o->one_shot = 0;
+    o->one_shot = o->single_copy = 0;
     o->data = o->input = NULL;
     o->n = o->chunk = o->pos = o->len = 0;
     o->step = 0;
@@ -152,6 +153,9 @@ static PyObject *Segment_all_reduce(Segment *s, PyObject *const *args, Py_ssize_
         Py_ssize_t bytes = chunk_bytes < s->slot ? chunk_bytes : s->slot;
         o->chunk = bytes / o->esize;
         if (o->chunk < s->size) o->chunk = s->size;
+        /* Every rank picks the same path: the same bytes (the fingerprint's count and dtype), the
+         * group's threshold.  A slice's parts from the peers fit in this rank's buffer. */
+        o->single_copy = HAVE_CMA && s->single_copy_min > 0 && n * o->esize >= s->single_copy_min;
     }
     return (PyObject *)o;
 }
@@ -368,6 +372,8 @@ static int Segment_init(Segment *s, PyObject *args, PyObject *kwds) {
     s->header = header;
     s->epoch = s->last_written = s->steps = 0;
     s->spin_ns = spin_ns;
+    s->single_copy_min = 0;
+    s->single_copy_ops = 0;
     s->open = 1;
     return 0;
 }
@@ -410,6 +416,10 @@ static PyMemberDef Segment_members[] = {
     COUNTER(epoch, "The last epoch this rank published."),
     COUNTER(last_written, "Epoch of the latest copy-in: buffers older than it are free."),
     COUNTER(steps, "Steps started."),
+    COUNTER(single_copy_ops, "All-reduces run through the peers' buffers (cross-memory attach)."),
+    {"single_copy_min", T_PYSSIZET, offsetof(Segment, single_copy_min), 0,
+     "All-reduces of at least this many bytes (above the one-step limit) read and write the peers' "
+     "buffers directly; 0: none (every rank of the segment must set the same)."},
     {"rank", T_INT, offsetof(Segment, rank), READONLY, "This rank in the segment."},
     {"size", T_INT, offsetof(Segment, size), READONLY, "Ranks sharing the segment."},
     {NULL, 0, 0, 0, NULL},
@@ -429,9 +439,18 @@ static PyTypeObject SegmentType = {
     .tp_members = Segment_members,
 };
 
+static PyMethodDef module_methods[] = {
+    {"probe_word", probe_word, METH_NOARGS,
+     "probe_word() -> (address, token): this process's probe cell, which host-mates read with probe()."},
+    {"probe", probe, METH_VARARGS,
+     "probe(pid, address, token) -> int: 0 if this process may read and write process pid's memory "
+     "(its probe cell at address holds token), else the errno that refused it."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_shm_native",
-    "The shared-memory plane's compiled core (see smddp.comm.backends.shm).", -1, NULL,
+    "The shared-memory plane's compiled core (see smddp.comm.backends.shm).", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
@@ -457,5 +476,7 @@ PyMODINIT_FUNC PyInit__shm_native(void) {
     }
     PyModule_AddIntConstant(m, "HAVE_FLOAT16", HAVE_F16);
     PyModule_AddIntConstant(m, "MAX_RANKS", MAX_RANKS);
+    PyModule_AddIntConstant(m, "HAVE_CMA", HAVE_CMA);
+    init_probe_cell();
     return m;
 }

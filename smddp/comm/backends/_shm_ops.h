@@ -10,6 +10,7 @@ typedef struct {
     PyObject_HEAD
     Segment *seg;
     int kind, dtype, op, esize, root, one_shot;
+    int single_copy;  /* all_reduce: through the peers' buffers, not the segment's (_shm_cma.h) */
     char *data;       /* all_reduce, broadcast: in and out; reduce_scatter, all_gather: output */
     char *input;      /* reduce_scatter, all_gather: input */
     Py_ssize_t n;     /* elements: all_reduce's and broadcast's total, the per-rank count otherwise */
@@ -426,10 +427,12 @@ static int run_all_to_all(Op *o) {
     }
 }
 
+static int run_all_reduce_single_copy(Op *o); /* _shm_cma.h */
+
 /* 1 once complete, 0 to wait, -1 with an exception set. */
 static int run(Op *o) {
     switch (o->kind) {
-    case K_ALL_REDUCE: return run_all_reduce(o);
+    case K_ALL_REDUCE: return o->single_copy ? run_all_reduce_single_copy(o) : run_all_reduce(o);
     case K_REDUCE_SCATTER: return run_reduce_scatter(o);
     case K_ALL_GATHER: return run_all_gather(o);
     case K_BROADCAST: return run_broadcast(o);

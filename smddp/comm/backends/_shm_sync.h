@@ -22,6 +22,9 @@ typedef struct {
     long long last_written; /* epoch of the latest copy-in: buffers older than it are free */
     long long steps;        /* steps started (a step's parity picks its buffer) */
     long long spin_ns;      /* how long a wait spins before it sleeps */
+    Py_ssize_t single_copy_min; /* all-reduces of at least this many bytes read and write the peers'
+                                   buffers directly (_shm_cma.h); 0: never (the group's agreed value) */
+    long long single_copy_ops;  /* all-reduces run that way */
     int open;
 } Segment;
 

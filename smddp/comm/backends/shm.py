@@ -10,6 +10,11 @@ buffers. No trailing barrier: the epoch words order everything.
   rank computes the same bits); larger ones run a reduce-scatter and an all-gather per
   slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``
   (32 KiB) in the compiled core, a fixed 1 MiB in the Python path.
+- where the kernel lets a host's ranks read and write each other's memory (probed at set-up,
+  :mod:`smddp.comm.backends.shm_cma`), the compiled core's all-reduces from the group's
+  ``SMDDP_SHM_CMA_MIN_BYTES`` (64 MiB) skip the segment: each rank reads its part of every
+  peer's buffer, reduces it into its own and writes the result into theirs (``_shm_cma.h``);
+  the same parts, the same rank order, the same bits.
 - the sizes and thresholds are the group's agreed layout's (:mod:`smddp.comm.layout`), the
   same on every rank; the hierarchical plane's all-reduce cuts the same slices between hosts
   in both implementations (:attr:`Plane.part_bytes`), so a host on the Python path and one
@@ -112,11 +117,14 @@ class Plane(TorchOps):
         chunk_bytes: bytes per step of the compiled core's larger collectives.
         one_shot_max: the compiled core's one-step all-reduce limit.
         f16: the compiled core reduces float16 (every rank must pass the same).
+        single_copy_min: all-reduces of at least this many bytes read and write the peers' buffers
+            directly (the compiled core, :mod:`~smddp.comm.backends.shm_cma`); 0: none.
 
     Every rank of the host passes the same values: the group's agreed layout's (:func:`open_plane`).
 
     Attributes:
         native: True when the compiled core runs this plane's operations.
+        single_copy_min: the threshold of the single-copy all-reduce (0: this plane has none).
         part_bytes: bytes of each slice of a hierarchical all-reduce, in both implementations.
 
     Raises:
@@ -125,7 +133,8 @@ class Plane(TorchOps):
     """
 
     def __init__(self, host, group: str = "world", slot: int = SLOT_BYTES, use_native: bool = False,
-                 chunk_bytes: int = CHUNK_BYTES, one_shot_max: int = NATIVE_ONE_SHOT_MAX, f16: bool = True):
+                 chunk_bytes: int = CHUNK_BYTES, one_shot_max: int = NATIVE_ONE_SHOT_MAX, f16: bool = True,
+                 single_copy_min: int = 0):
         self.rank, self.size = host.rank, host.size
         mates = getattr(host, "mates", None)
         #: The group rank of each of the plane's ranks (errors name them).
@@ -145,6 +154,9 @@ class Plane(TorchOps):
         self._seg = native.Segment(self._mm, self.rank, self.size, slot, HEADER, SPIN_NS) if use_native else None
         self._state = self._seg if self._seg is not None else Counters()
         self.native = self._seg is not None
+        self.single_copy_min = single_copy_min if self.native else 0
+        if self.single_copy_min:
+            self._seg.single_copy_min = single_copy_min
         self._codes = dict(_DTYPE_CODES) if self.native else {}
         if self.native and not (f16 and native.HAVE_FLOAT16):
             del self._codes[torch.float16]
@@ -465,7 +477,7 @@ def open_plane(host, agreed, group: str = "world") -> Optional[Plane]:
         return None
     try:
         return Plane(host, group, slot, agreed.native[here], agreed.chunk_bytes, agreed.one_shot_max,
-                     agreed.native_f16[here])
+                     agreed.native_f16[here], agreed.cma_min_bytes if agreed.cma[here] else 0)
     except CollectiveTimeout:
         raise  # a host-mate that never came (a TimeoutError, so an OSError): not a /dev/shm problem
     except OSError as exc:
