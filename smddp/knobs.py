@@ -92,10 +92,13 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob("SMDDP_SHM_ONE_SHOT_MAX", 32 << 10, _bytes,
          "all-reduces up to this many bytes run in one step in the compiled core",
          "larger: fewer synchronisations, but every rank reduces every byte"),
-    Knob("SMDDP_SHM_CMA", True, flag,
-         "0: large all-reduces on one host copy through the shared segment instead of reading and "
-         "writing the peers' buffers directly (cross-memory attach: process_vm_readv/writev); a "
-         "rank with it off turns it off for its host"),
+    Knob("SMDDP_SHM_CMA", False, flag,
+         "1: all-reduces on one host from SMDDP_SHM_CMA_MIN_BYTES read and write the peers' buffers "
+         "directly (cross-memory attach: process_vm_readv/writev) instead of copying through the "
+         "shared segment, where the kernel lets the host's ranks; a rank with it off turns it off "
+         "for its host",
+         "on: fewer copies, but the kernel's cost per page of the peers' buffers (measured slower "
+         "than the segment at every size to 64 MB on a 2-core VM: docs/performance.md)"),
     Knob("SMDDP_SHM_CMA_MIN_BYTES", 64 << 20, _bytes,
          "all-reduces of at least this many bytes read and write the peers' buffers directly, where "
          "the kernel lets the host's ranks do so",

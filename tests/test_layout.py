@@ -97,7 +97,7 @@ def test_a_host_reads_its_mates_memory_only_if_every_rank_reached_every_other():
 
     agreed, store = vote(host_a + [proposal("b", cma=offer), proposal("b")], 0, lambda peer: "", {1: "1"})
     assert agreed.cma == (True, False) and store.get("cma/0") == b"1"
-    assert agreed.cma_why == ("", "local rank 1 offered none (SMDDP_SHM_CMA=0, or no cross-memory attach)")
+    assert agreed.cma_why == ("", "local rank 1 offered none (SMDDP_SHM_CMA off, or no cross-memory attach)")
     assert agreed.cma_min_bytes == 1 << 20
     # Rank 1 could not reach rank 0: the host says no, on rank 0 too, with rank 1's reason.
     agreed, _ = vote(host_a, 0, lambda peer: "", {1: "0local rank 1 cannot read or write local rank 0's memory"})

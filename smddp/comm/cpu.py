@@ -58,7 +58,7 @@ class PlaneSettings:
         slot: ``SMDDP_SHM_SLOT_BYTES``: bytes of each shared-memory buffer.
         chunk_bytes: ``SMDDP_SHM_CHUNK_BYTES``: bytes per step of the compiled core's larger collectives.
         one_shot_max: ``SMDDP_SHM_ONE_SHOT_MAX``: the compiled core's one-step all-reduce limit.
-        cma: ``SMDDP_SHM_CMA`` is not off (this rank offers the single-copy all-reduce).
+        cma: ``SMDDP_SHM_CMA`` is on (this rank offers the single-copy all-reduce).
         cma_min_bytes: ``SMDDP_SHM_CMA_MIN_BYTES``: the single-copy all-reduce's threshold.
     """
 
@@ -69,7 +69,7 @@ class PlaneSettings:
     slot: int = 4 << 20
     chunk_bytes: int = 1 << 20
     one_shot_max: int = 32 << 10
-    cma: bool = True
+    cma: bool = False
     cma_min_bytes: int = 64 << 20
 
 

@@ -141,7 +141,7 @@ def proposal(plane: str, shm: bool, native: bool, native_f16: bool, tuning: Mapp
         tuning: its ``slot``, ``chunk``, ``one_shot``, ``cma_min`` and ``hier_min`` byte counts.
         env: the environment the identity is read from.
         cma: its probe word (:func:`smddp.comm.backends.shm_cma.offer`), or None: it will not read or
-            write its host-mates' memory (no core, ``SMDDP_SHM_CMA=0``).
+            write its host-mates' memory (no core, ``SMDDP_SHM_CMA`` off).
     """
     mine = {"host": host_identity(env), "protocol": PROTOCOL, "plane": plane, "ok": bool(shm),
             "native": bool(native), "f16": bool(native_f16), "cma": dict(cma) if cma else None}
@@ -202,7 +202,7 @@ def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...],
         offered = [local for local, r in enumerate(members) if not info[r]["cma"]]
         why.append("one rank on the host" if len(members) < 2 else
                    f"local rank {core[0]} does not run the compiled core" if core else
-                   f"local rank {offered[0]} offered none (SMDDP_SHM_CMA=0, or no cross-memory attach)"
+                   f"local rank {offered[0]} offered none (SMDDP_SHM_CMA off, or no cross-memory attach)"
                    if offered else "")
     if not why[mates.host]:
         me = mates.rank

@@ -10,7 +10,8 @@ buffers. No trailing barrier: the epoch words order everything.
   rank computes the same bits); larger ones run a reduce-scatter and an all-gather per
   slice (each part reduced by exactly one rank). The limit is ``SMDDP_SHM_ONE_SHOT_MAX``
   (32 KiB) in the compiled core, a fixed 1 MiB in the Python path.
-- where the kernel lets a host's ranks read and write each other's memory (probed at set-up,
+- with ``SMDDP_SHM_CMA=1`` (off by default: slower here, docs/performance.md), where the kernel
+  lets a host's ranks read and write each other's memory (probed at set-up,
   :mod:`smddp.comm.backends.shm_cma`), the compiled core's all-reduces from the group's
   ``SMDDP_SHM_CMA_MIN_BYTES`` (64 MiB) skip the segment: each rank reads its part of every
   peer's buffer, reduces it into its own and writes the result into theirs (``_shm_cma.h``);
