@@ -15,7 +15,10 @@ setup(
             depends=["smddp/comm/backends/_shm_fold.h", "smddp/comm/backends/_shm_sync.h",
                      "smddp/comm/backends/_shm_ops.h", "smddp/comm/backends/_shm_cma.h",
                      "smddp/comm/backends/_shm_op_type.h"],
-            extra_compile_args=["-O3", "-std=gnu11"],
+            # -fno-wrapv: Python's own CFLAGS carry -fwrapv, under which GCC's code for the folds
+            # measured 1.2-1.3x slower at 1-4 MB (docs/performance.md); the folds' integer
+            # arithmetic is unsigned, so nothing relies on signed wrap-around.
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-wrapv"],
             optional=True,
         )
     ]
