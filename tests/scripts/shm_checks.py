@@ -98,21 +98,26 @@ def drive(pending) -> None:
         assert time.monotonic() < deadline, "communicator operation did not complete in 60 s"
 
 
+def exact_all_reduce(dtype: torch.dtype, numel: int, op: Op, salt: int, label: str) -> None:
+    """All-reduce seeded per-rank values and compare with the sum computed here, on every rank."""
+    if op is Op.PRODUCT and dtype in (torch.int8, torch.uint8, torch.float16, torch.bfloat16):
+        return  # products of 2s overflow these
+    stack = torch.stack([values(r, numel, dtype, salt, op) for r in range(size)])
+    t = stack[rank].clone()
+    if op is Op.PRODUCT:  # not in smddp's ReduceOp: straight to the engine
+        engine.all_reduce(t, op)
+    else:
+        dist.all_reduce(t, op=_REDUCE_OPS[op])
+    want = expected(stack, op, dtype)
+    assert torch.equal(t, want), (dtype, numel, op, (t != want).nonzero()[:5])
+    passed(f"{label}/{dtype}/{numel}/{op.name}")
+
+
 def check_all_reduce() -> None:
     for dtype in DTYPES:
         for numel in SIZES:
             for op in OPS:
-                if op is Op.PRODUCT and dtype in (torch.int8, torch.uint8, torch.float16, torch.bfloat16):
-                    continue  # products of 2s overflow these
-                stack = torch.stack([values(r, numel, dtype, 1, op) for r in range(size)])
-                t = stack[rank].clone()
-                if op is Op.PRODUCT:  # not in smddp's ReduceOp: straight to the engine
-                    engine.all_reduce(t, op)
-                else:
-                    dist.all_reduce(t, op=_REDUCE_OPS[op])
-                want = expected(stack, op, dtype)
-                assert torch.equal(t, want), (dtype, numel, op, (t != want).nonzero()[:5])
-                passed(f"all_reduce/{dtype}/{numel}/{op.name}")
+                exact_all_reduce(dtype, numel, op, 1, "all_reduce")
 
 
 def check_random_bits() -> None:
@@ -265,17 +270,7 @@ def check_switch_points(light: bool) -> None:
     for dtype in dtypes:
         for numel in switch_sizes(dtype.itemsize):
             for op in ops:
-                if op is Op.PRODUCT and dtype in (torch.int8, torch.uint8, torch.float16, torch.bfloat16):
-                    continue  # products of 2s overflow these
-                stack = torch.stack([values(r, numel, dtype, 9, op) for r in range(size)])
-                t = stack[rank].clone()
-                if op is Op.PRODUCT:  # not in smddp's ReduceOp: straight to the engine
-                    engine.all_reduce(t, op)
-                else:
-                    dist.all_reduce(t, op=_REDUCE_OPS[op])
-                want = expected(stack, op, dtype)
-                assert torch.equal(t, want), (dtype, numel, op, (t != want).nonzero()[:5])
-                passed(f"switch/{dtype}/{numel}/{op.name}")
+                exact_all_reduce(dtype, numel, op, 9, "switch")
             if dtype.is_floating_point:
                 for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVERAGE):
                     g = [torch.Generator().manual_seed(1000 * r + numel) for r in range(size)]
