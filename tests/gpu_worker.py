@@ -209,6 +209,9 @@ class Worker:
         src = torch.zeros(n, device=self.device)
         out = torch.zeros(self.size * n, device=self.device)
         side = torch.cuda.Stream(self.device)
+        # The communicator first: NCCL's set-up (lazy, at the first collective, in torch's group
+        # as in smddp's) synchronizes the device, so it would wait for the sleep below.
+        gather_into(out, src).wait()
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
             torch.cuda._sleep(cycles)

@@ -4,7 +4,7 @@ The GPU machine this project can use has torch (2.11.0+cu130), cupy-cuda13x, nvi
 mpi4py, pytest, pytest-timeout and hypothesis, and no moto, sagemaker or Open MPI. The README's
 offline line must work there::
 
-    pip install --no-index --no-deps --no-build-isolation -e .
+    python -m pip install --no-index --no-deps --no-build-isolation -e .
     pytest -m gpu
 
 This test makes a virtual environment holding only that set (each package that is installed

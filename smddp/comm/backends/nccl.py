@@ -305,6 +305,9 @@ class NCCLCommunicator(Communicator):
         with lane.calling(self._refusal) as comm:
             watched = self._watch.start(seq, op_name, held)
             try:
+                # NCCL's asynchronous error (a peer died) fails the next call, as it starts: the
+                # watchdog polls it between calls, and tests of operations in flight do not.
+                comm.check_async_error()
                 with torch.cuda.device(lane.index):
                     call(comm, stream)
                     event = torch.cuda.Event()

@@ -31,8 +31,10 @@ class StreamOrdered(Pending):
 
     def test(self) -> bool:
         # No stream is ordered here: the engine's progress thread tests too, and ordering its
-        # stream would serialise the caller's work behind the collective. Waits order.
-        self._owner.check()
+        # stream would serialise the caller's work behind the collective. Waits order. NCCL's
+        # asynchronous error is polled by the watchdog and as each call starts (the
+        # communicator's _enqueue), not here: a failure either found is raised here.
+        self._owner.raise_failure()
         return True
 
     def waited(self) -> None:
@@ -54,7 +56,7 @@ class StreamOrdered(Pending):
 
         The host does not wait.
         """
-        current = torch.cuda.current_stream(self._lane.device)
+        current = torch.cuda.current_stream(self._lane.index)
         if current.cuda_stream != self._stream.cuda_stream:
             current.wait_event(self.event)
 

@@ -29,6 +29,7 @@ from torch._C._distributed_c10d import (
 )
 
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
+from smddp.comm.backends.nccl_cupy import CONVERTED
 from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError
@@ -198,6 +199,8 @@ class TorchNCCLCommunicator(TorchBackendCommunicator):
     """torch's ``ProcessGroupNCCL`` on CUDA tensors (backend ``torch-nccl``)."""
 
     name = "torch-nccl"
+    # torch's NCCL group sends bool as uint8, complex as its real view, and float8 as bytes.
+    dtypes = Communicator.dtypes | CONVERTED
     device_types = ("cuda",)
     device_type = "cuda"
     native_average = True

@@ -371,8 +371,12 @@ def settle(engine: Engine, handle: Handle) -> None:
         engine._cv.notify()
 
 
-def settle_on_device(engine: Engine) -> None:
-    """Settle the stream-ordered handles whose device has finished them (the progress thread)."""
+def settle_on_device(engine: Engine) -> int:
+    """Settle the stream-ordered handles whose device has finished them (the progress thread).
+
+    Returns:
+        How many it settled.
+    """
     with engine._cv:
         waiting, engine._on_device = engine._on_device, []
     later = []
@@ -388,6 +392,7 @@ def settle_on_device(engine: Engine) -> None:
     if later:
         with engine._cv:
             engine._on_device[:0] = later
+    return len(waiting) - len(later)
 
 
 class _Failed:

@@ -18,6 +18,10 @@ from smddp.comm.base import poll
 from smddp.comm.engine.handle import Handle, settle, settle_on_device
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
+#: Seconds between the progress thread's polls of operations the host moves.
+_HOST_POLL = 2e-5
+#: At most this long between polls when only devices' operations are left (see _progress).
+_DEVICE_POLL_MAX = 2e-4
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
@@ -141,17 +145,27 @@ class Progress:
                     handle._error = error
 
     def _progress(self) -> None:
-        """The progress thread: advance operations in flight while the caller computes."""
+        """The progress thread: advance operations in flight while the caller computes.
+
+        Operations the host still moves are polled every 20 us. Once only stream-ordered ones
+        are left, waiting for their device to finish them (to settle what C++ sees), the polls
+        back off to ``_DEVICE_POLL_MAX``: a GPU step keeps several in flight for its whole
+        backward, and each poll takes the GIL from the thread launching its kernels.
+        """
+        pause = _HOST_POLL
         while True:
             with self._cv:
                 while not self._inflight and not self._on_device and not self._closed:
                     self._cv.wait()
+                    pause = _HOST_POLL
                 if self._closed and not self._inflight:
                     return
             self._poll()
+            if self._inflight:
+                pause = _HOST_POLL
             if self._on_device:
-                settle_on_device(self)
-            time.sleep(2e-5)
+                pause = _HOST_POLL if settle_on_device(self) else min(2 * pause, _DEVICE_POLL_MAX)
+            time.sleep(pause)
 
     def _drain(self) -> bool:
         """Wait for every operation in flight, each within its deadline; True if all completed."""
