@@ -428,6 +428,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, launched = 0, False
     if launched and rank != 0 and not args.all_ranks:
         return 0
+    try:
+        import torch  # noqa: F401 - every section below asks torch
+    except ImportError as exc:
+        # A console script whose interpreter is not the one with torch (a `pip` that belongs to
+        # another Python installed smddp there): say which, in one line.
+        print(f"smddp-info: torch is not importable in {sys.executable} ({exc}); run it with the Python that "
+              f"has torch: that Python's `-m smddp.info`, after `python -m pip install ...` with it", file=sys.stderr)
+        return 1
     report = collect()
     if args.json:
         text = json.dumps(report, indent=None if args.all_ranks and launched else 2, default=str)

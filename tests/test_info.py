@@ -103,6 +103,16 @@ def test_collect_never_initializes_mpi_in_process():
     assert "MPI-UNTOUCHED" in res.stdout
 
 
+def test_without_torch_says_so_in_one_line(tmp_path):
+    """An interpreter without torch (smddp installed by another Python's pip): one line, exit 1."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_MPI4PY.replace("mpi4py", "torch").replace("Mpi4py", "Torch"))
+    result = python(["-m", "smddp.info"], timeout=120,
+                    env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert result.returncode == 1, result.output
+    assert "torch is not importable in" in result.stderr and "Traceback" not in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_help_documents_every_option():
     from smddp.info import build_parser
 
