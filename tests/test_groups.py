@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as tdist
-from test_backend_selection import X86_ID, _fake_cupy
+from test_nccl_units import X86_ID, _fake_cupy
 
 from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
