@@ -9,24 +9,29 @@ import pytest
 
 from launchers import ROOT, mpirun, python
 
-# A sitecustomize that makes "import mpi4py" fail as if it were not installed.
-HIDE_MPI4PY = '''
+# A sitecustomize that makes "import MODULE" fail as if it were not installed.
+HIDE = '''
 import sys
 
-class _HideMpi4py:
+class _Hide:
     def find_spec(self, name, path=None, target=None):
-        if name == "mpi4py" or name.startswith("mpi4py."):
-            raise ModuleNotFoundError("No module named 'mpi4py' (hidden by the test)", name=name)
+        if name == "MODULE" or name.startswith("MODULE."):
+            raise ModuleNotFoundError("No module named 'MODULE' (hidden by the test)", name=name)
         return None
 
-sys.meta_path.insert(0, _HideMpi4py())
+sys.meta_path.insert(0, _Hide())
 '''
+
+
+def _without(module: str, tmp_path) -> dict:
+    """An environment whose Python cannot import ``module`` (a sitecustomize in ``tmp_path``)."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE.replace("MODULE", module))
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
 
 
 @pytest.fixture
 def no_mpi4py(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(HIDE_MPI4PY)
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    return _without("mpi4py", tmp_path)
 
 
 def _backend(report, name):
@@ -105,9 +110,7 @@ def test_collect_never_initializes_mpi_in_process():
 
 def test_without_torch_says_so_in_one_line(tmp_path):
     """An interpreter without torch (smddp installed by another Python's pip): one line, exit 1."""
-    (tmp_path / "sitecustomize.py").write_text(HIDE_MPI4PY.replace("mpi4py", "torch").replace("Mpi4py", "Torch"))
-    result = python(["-m", "smddp.info"], timeout=120,
-                    env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    result = python(["-m", "smddp.info"], timeout=120, env=_without("torch", tmp_path))
     assert result.returncode == 1, result.output
     assert "torch is not importable in" in result.stderr and "Traceback" not in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -161,10 +161,9 @@ class Progress:
                 if self._closed and not self._inflight:
                     return
             self._poll()
-            if self._inflight:
-                pause = _HOST_POLL
-            if self._on_device:
-                pause = _HOST_POLL if settle_on_device(self) else min(2 * pause, _DEVICE_POLL_MAX)
+            settled = settle_on_device(self) if self._on_device else 0
+            backing_off = self._on_device and not self._inflight and not settled
+            pause = min(2 * pause, _DEVICE_POLL_MAX) if backing_off else _HOST_POLL
             time.sleep(pause)
 
     def _drain(self) -> bool:
