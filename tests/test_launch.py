@@ -185,8 +185,16 @@ def test_local_job_fails_when_every_rank_fails_at_once(tmp_path):
 def test_one_host_default_starts_no_mpirun_and_mpi4py_says_so(tmp_path):
     """On one host smddprun starts the ranks itself; a script's own mpi4py is refused, not a world of 1."""
     script = tmp_path / "uses_mpi4py.py"
-    script.write_text("import os\nprint('STARTED', os.environ['RANK'], flush=True)\n"
-                      "from mpi4py import MPI\nprint('SIZE', MPI.COMM_WORLD.Get_size(), flush=True)\n")
+    # Each rank says it started, then waits (10 s at most) for the other to say so before it
+    # imports mpi4py: the first refusal makes smddprun stop the other rank, maybe before it printed.
+    script.write_text(
+        "import os, pathlib, time\nprint('STARTED', os.environ['RANK'], flush=True)\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "(here / ('started' + os.environ['RANK'])).touch()\n"
+        "end = time.monotonic() + 10\n"
+        "while len(list(here.glob('started*'))) < int(os.environ['WORLD_SIZE']) and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "from mpi4py import MPI\nprint('SIZE', MPI.COMM_WORLD.Get_size(), flush=True)\n")
     dry = run([*PY_LAUNCH, "-np", "2", "--dry-run", str(script)], timeout=30).check()
     assert "mpirun" not in dry.stdout and len(dry.stdout.strip().splitlines()) == 2, dry.output
     result = run([*PY_LAUNCH, "-np", "2", str(script)], timeout=60)
