@@ -14,6 +14,7 @@ so ``smddp all_reduce`` is the engine's and the backend's cost per call. docs/pe
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
@@ -36,7 +37,8 @@ def per_call(name: str, call: Callable[[], object], calls: int = 20000) -> float
     return micros
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     dist.init_process_group(backend="nccl")
     torch.cuda.set_device(0)
     t = torch.ones(256, device="cuda")
