@@ -28,6 +28,7 @@ from smddp.comm.backends.nccl import NCCL_2_10
 from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
+from smddp.comm.engine.handle import _cpp_future
 from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
@@ -182,6 +183,34 @@ def test_the_groups_own_stream_is_the_default_and_orders_both_ways(monkeypatch):
     for r in range(2):
         mode, on_side, seen = results[r]
         assert mode == "side" and on_side and torch.equal(seen, want)
+
+
+def test_an_enqueued_collective_is_done_at_once_and_its_cpp_half_settles_after_its_stream(monkeypatch):
+    """With nothing in flight, an asynchronous collective is done as it is enqueued (torch's NCCL
+    Work: ``is_completed()`` and ``wait()`` speak of the enqueue), without a pass of the progress
+    thread; the C++ half's future, which carries no CUDA event, completes only once the stream
+    has run the collective."""
+    fake = install(monkeypatch, deferred=True)
+
+    def body(r, engine, nccl_comm):
+        current = torch.cuda.current_stream()
+        opened = gate(current)  # the collective cannot run until the gate opens
+        t = seeded(r, (5,), torch.float32)
+        handle = engine.all_reduce(t, Op.SUM, async_op=True)
+        cpp = _cpp_future(handle)
+        before = (len(engine._inflight), handle.is_completed(), cpp.done())
+        handle.wait()
+        still = cpp.done()
+        opened.set()
+        value = cpp.wait()  # the progress thread completes it once the stream has run
+        current.synchronize()
+        return before, still, value[0] is t, t
+
+    results = run_ranks(fake, 2, body)
+    want = expected_reduce(2, (5,), torch.float32, Op.SUM, 0)
+    for r in range(2):
+        before, still, same, t = results[r]
+        assert before == (0, True, False) and still is False and same and torch.equal(t, want)
 
 
 # ---------------------------------------------------------------------------- dtypes torch's NCCL group sends

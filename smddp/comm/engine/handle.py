@@ -366,9 +366,7 @@ def settle(engine: Engine, handle: Handle) -> None:
     if handle._pending.query is None:
         handle._settle()
         return
-    with engine._cv:
-        engine._on_device.append(handle)
-        engine._cv.notify()
+    engine._await_device(handle)
 
 
 def settle_on_device(engine: Engine) -> int:
