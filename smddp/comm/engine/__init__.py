@@ -54,20 +54,6 @@ __all__ = ["Engine", "Handle"]
 
 _profiling = _events.active  # one C call: is torch's profiler recording in this thread
 
-def _enqueued(pending: Pending) -> bool:
-    """True for a stream-ordered operation (``query``) that its first test finds enqueued.
-
-    A test that raises (its communicator failed) says False: the operation is then owned and
-    tested like any other, and its wait raises the error.
-    """
-    if pending.query is None:
-        return False
-    try:
-        return pending.test()
-    except Exception:  # noqa: BLE001 - raised again by the handle's own test
-        return False
-
-
 class Engine(Health, Progress):
     """The collectives of one job over one communicator per device type.
 
@@ -185,7 +171,7 @@ class Engine(Health, Progress):
                 # its scratch): the error's traceback holds the frames that hold their buffers.
                 self._abandoned.append(exc)
                 raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
-            handle = enqueued = None
+            handle = None
             if self._inflight:
                 # A collective behind asynchronous ones completes after them.
                 handle = self._track(Handle(self, seq, op_name, pending, result=result))
@@ -194,20 +180,10 @@ class Engine(Health, Progress):
                 # thread need ever test it (most small collectives, torch's API's too).
                 done = pending is DONE
                 handle = Handle(self, seq, op_name, pending, result=result, done=done)
-                if done:
-                    pass
-                elif _enqueued(pending):
-                    # Stream-ordered, on its stream: done for every kernel queued after it, as
-                    # one done as it started is for the host. Its C++ half settles once the
-                    # device has finished it (handle.settle): no pass of the progress thread first.
-                    handle._finished = handle._done = True
-                    enqueued = handle
-                else:
+                if not done:
                     self._track(handle)
         finally:
             self._start_lock.release()
-        if enqueued is not None:
-            self._await_device(enqueued)
         if async_op:
             # The handle is the caller's Work, which the engine must not keep alive once it
             # is done: _poll forgets it as it completes.

@@ -366,7 +366,9 @@ def settle(engine: Engine, handle: Handle) -> None:
     if handle._pending.query is None:
         handle._settle()
         return
-    engine._await_device(handle)
+    with engine._cv:
+        engine._on_device.append(handle)
+        engine._cv.notify()
 
 
 def settle_on_device(engine: Engine) -> int:

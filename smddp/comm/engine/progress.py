@@ -42,24 +42,11 @@ class Progress:
         """Own ``handle`` until it completes; the progress thread advances it meanwhile."""
         with self._cv:
             self._inflight.append(handle)
-            self._wake()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
+                self._thread.start()
+            self._cv.notify()
         return handle
-
-    def _await_device(self, handle: Handle) -> None:
-        """Own done, stream-ordered ``handle`` until its device has finished it; then settle it.
-
-        The progress thread polls it (:func:`~smddp.comm.engine.handle.settle_on_device`).
-        """
-        with self._cv:
-            self._on_device.append(handle)
-            self._wake()
-
-    def _wake(self) -> None:
-        """Start the progress thread, or wake it (under the engine's lock)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
-            self._thread.start()
-        self._cv.notify()
 
     def _poll(self) -> None:
         """Advance every operation in flight once; complete them in issue order.
