@@ -17,8 +17,12 @@ setup(
                      "smddp/comm/backends/_shm_op_type.h"],
             # -fno-wrapv: Python's own CFLAGS carry -fwrapv, under which GCC's code for the folds
             # measured 1.2-1.3x slower at 1-4 MB (docs/performance.md); the folds' integer
-            # arithmetic is unsigned, so nothing relies on signed wrap-around.
-            extra_compile_args=["-O3", "-std=gnu11", "-fno-wrapv"],
+            # arithmetic is unsigned, so nothing relies on signed wrap-around. -ffp-contract=off:
+            # no a * b + c fused into one rounding, whatever the CPU: every build rounds alike.
+            # -fno-trapping-math: no floating-point trap is ever enabled here, and without it GCC
+            # keeps the half-precision conversions' branch-free selects as branches, unvectorized
+            # (the results are the same bits either way).
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-wrapv", "-ffp-contract=off", "-fno-trapping-math"],
             optional=True,
         )
     ]
