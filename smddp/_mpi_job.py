@@ -10,14 +10,17 @@ memory segments (``/dev/shm/sm_segment.*``). Now smddprun stays mpirun's parent:
   both: it is not sent twice), and smddprun ends as mpirun ended: the same exit status, or
   the same signal, as when it was mpirun itself;
 - each rank follows the process that started it (:mod:`smddp._parent_watch`), for the case
-  where mpirun itself is killed outright.
+  where mpirun itself is killed outright; smddprun then removes the directory of PMIx files
+  mpirun could not (:func:`remove_left_session_dir`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -106,6 +109,7 @@ def run_mpirun(cmd: Sequence[str], env: Mapping[str, str]) -> int:
             except ProcessLookupError:
                 pass
     code = proc.returncode
+    remove_left_session_dir(proc.pid, env)
     if code < 0:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -115,3 +119,25 @@ def run_mpirun(cmd: Sequence[str], env: Mapping[str, str]) -> int:
         os.kill(os.getpid(), -code)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
     return 128 - code if code < 0 else code
+
+
+def remove_left_session_dir(pid: int, env: Mapping[str, str]) -> None:
+    """Remove ``$TMPDIR/ompi.<pid>``, the PMIx server's directory of mpirun ``pid``, if it is left.
+
+    Open MPI 5's mpirun (PRRTE's ``prterun``) keeps its PMIx rendezvous files there and removes
+    the directory as it exits; killed outright (``kill -9``, the out-of-memory killer) it cannot,
+    and a later mpirun given the same pid (pids wrap: 32768 by default) fails at start with "The
+    PMIx server's listener thread failed to start". Call it once ``pid`` has been reaped: no
+    process has that pid then, so the directory is nobody's.
+
+    Args:
+        pid: mpirun's pid.
+        env: the environment mpirun ran with (its ``TMPDIR``, else ``/tmp``).
+    """
+    path = os.path.join(env.get("TMPDIR") or "/tmp", f"ompi.{pid}")
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return  # removed by mpirun itself, as it is whenever mpirun ends by itself
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():  # not a link, and ours
+        shutil.rmtree(path, ignore_errors=True)

@@ -79,11 +79,28 @@ def run(cmd: Sequence[str], timeout: float = 120, env: Optional[Mapping[str, str
     Open MPI's shared-memory files go to a directory of this run's, removed afterwards: a job
     that ends in MPI_Abort (as several tests' jobs must) leaves them behind otherwise.
     """
+    sweep_pmix_dirs()
     shm_dir = Path(tempfile.mkdtemp(prefix="smddp-test-ompi-", dir=_SHM_ROOT))
     try:
         return _run(cmd, timeout, {"OMPI_MCA_btl_sm_backing_directory": str(shm_dir), **(env or {})}, cwd)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def sweep_pmix_dirs(tmp: str = "/tmp") -> None:
+    """Remove the PMIx directories (``ompi.<pid>``) of mpiruns that are gone.
+
+    Tests kill mpirun outright (timeouts, kill tests under plain mpirun), which leaves its
+    directory; a later mpirun given the same pid then fails at start (docs/troubleshooting.md).
+    """
+    for entry in os.listdir(tmp):
+        if entry.startswith("ompi.") and entry[5:].isdigit():
+            try:
+                os.kill(int(entry[5:]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(tmp, entry), ignore_errors=True)
+            except PermissionError:
+                pass  # another user's live process
 
 
 def _run(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd: Optional[str]) -> Result:

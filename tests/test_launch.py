@@ -335,6 +335,45 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path, launcher):
     print(f"{launcher}: job ended {time.monotonic() - start:.1f} s after start")
 
 
+@pytest.mark.mpi
+def test_a_killed_mpirun_leaves_no_pmix_directory_behind(tmp_path):
+    """mpirun killed outright cannot remove ``$TMPDIR/ompi.<its pid>``; smddprun does. Left,
+    it made a later mpirun given the same pid fail at start (the PMIx listener)."""
+    ranks, piddir, tmpdir = 2, tmp_path / "pids", tmp_path / "tmp"
+    piddir.mkdir()
+    tmpdir.mkdir()
+    proc = subprocess.Popen([*PY_LAUNCH, "--launcher", "mpirun", "-np", str(ranks), HOLD, str(piddir), "-1"],
+                            env=base_env({"TMPDIR": str(tmpdir)}), cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(piddir.iterdir())) < ranks and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(piddir.iterdir())) == ranks, "the ranks did not start"
+        rank_pid = recorded_pids(piddir)[0]
+        mpirun_pid = int(Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        session = tmpdir / f"ompi.{mpirun_pid}"
+        assert session.is_dir(), f"mpirun {mpirun_pid} has no {session}: {sorted(tmpdir.iterdir())}"
+        os.kill(mpirun_pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, out + err  # smddprun ends as mpirun did
+    assert not session.exists(), f"{session} left behind: {sorted(p.name for p in session.iterdir())}"
+    # The ranks follow the mpirun that started them; their own children (the script's
+    # grandchildren here) are orphaned, not stopped: see docs/launch.md.
+    rank_pids = [int(f.name.split(".")[1]) for f in piddir.iterdir()]
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in rank_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in recorded_pids(piddir) if _alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not any(p in left for p in rank_pids), f"ranks left running: {left}"
+
+
 @pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "local"])
 def test_ctrl_c_leaves_no_process(tmp_path, launcher):
     ranks = 2
