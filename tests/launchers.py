@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
+from smddp._mpi_job import remove_left_session_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 def _find_mpirun():
@@ -98,7 +100,7 @@ def sweep_pmix_dirs(tmp: str = "/tmp") -> None:
             try:
                 os.kill(int(entry[5:]), 0)
             except ProcessLookupError:
-                shutil.rmtree(os.path.join(tmp, entry), ignore_errors=True)
+                remove_left_session_dir(int(entry[5:]), {"TMPDIR": tmp})
             except PermissionError:
                 pass  # another user's live process
 

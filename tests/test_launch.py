@@ -73,17 +73,38 @@ def recorded_pids(piddir: Path) -> list:
     return [int(p) for f in piddir.iterdir() for p in f.name.split(".")[1:]]
 
 
+def kill_left(piddir: Path, waited: list) -> list:
+    """Wait up to 15 s for ``waited`` to end; then SIGKILL whatever recorded in ``piddir`` is left and say which."""
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in waited) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in recorded_pids(piddir) if _alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def assert_none_left(piddir: Path, ranks: int) -> None:
     """Every rank and grandchild recorded in ``piddir`` has ended (waits up to 15 s for the kills to land)."""
     pids = recorded_pids(piddir)
     assert len(pids) == 2 * ranks, f"expected {ranks} ranks with a grandchild each, got pids {pids}"
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if _alive(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = kill_left(piddir, pids)
     assert not left, f"processes left running: {left}"
+
+
+def hold_job(launcher: str, ranks: int, piddir: Path, env=None) -> subprocess.Popen:
+    """smddprun running ``launch_hold.py`` with no failing rank; returns once every rank has started."""
+    proc = subprocess.Popen([*PY_LAUNCH, "--launcher", launcher, "-np", str(ranks), HOLD, str(piddir), "-1"],
+                            env=base_env(env), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(list(piddir.iterdir())) < ranks and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if len(list(piddir.iterdir())) < ranks:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the ranks did not start\n{out}\n{err}")
+    return proc
 
 
 # ------------------------------------------------------------------ command line, no processes
@@ -342,14 +363,8 @@ def test_a_killed_mpirun_leaves_no_pmix_directory_behind(tmp_path):
     ranks, piddir, tmpdir = 2, tmp_path / "pids", tmp_path / "tmp"
     piddir.mkdir()
     tmpdir.mkdir()
-    proc = subprocess.Popen([*PY_LAUNCH, "--launcher", "mpirun", "-np", str(ranks), HOLD, str(piddir), "-1"],
-                            env=base_env({"TMPDIR": str(tmpdir)}), cwd=str(ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = hold_job("mpirun", ranks, piddir, {"TMPDIR": str(tmpdir)})
     try:
-        deadline = time.monotonic() + 60
-        while len(list(piddir.iterdir())) < ranks and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(piddir.iterdir())) == ranks, "the ranks did not start"
         rank_pid = recorded_pids(piddir)[0]
         mpirun_pid = int(Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         session = tmpdir / f"ompi.{mpirun_pid}"
@@ -363,14 +378,9 @@ def test_a_killed_mpirun_leaves_no_pmix_directory_behind(tmp_path):
     assert proc.returncode == -signal.SIGKILL, out + err  # smddprun ends as mpirun did
     assert not session.exists(), f"{session} left behind: {sorted(p.name for p in session.iterdir())}"
     # The ranks follow the mpirun that started them; their own children (the script's
-    # grandchildren here) are orphaned, not stopped: see docs/launch.md.
+    # grandchildren here) are orphaned, not stopped: see docs/security.md.
     rank_pids = [int(f.name.split(".")[1]) for f in piddir.iterdir()]
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in rank_pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in recorded_pids(piddir) if _alive(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = kill_left(piddir, rank_pids)
     assert not any(p in left for p in rank_pids), f"ranks left running: {left}"
 
 
@@ -379,14 +389,8 @@ def test_ctrl_c_leaves_no_process(tmp_path, launcher):
     ranks = 2
     piddir = tmp_path / "pids"
     piddir.mkdir()
-    proc = subprocess.Popen([*PY_LAUNCH, "--launcher", launcher, "-np", str(ranks), HOLD, str(piddir), "-1"],
-                            env=base_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = hold_job(launcher, ranks, piddir)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(piddir.iterdir())) < ranks and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(piddir.iterdir())) == ranks, "the ranks did not start"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
