@@ -9,6 +9,17 @@ it), the job's ranks get shared memory only, unless the user chose the transport
 command line (``--mca btl ...``, which reaches the ranks as ``OMPI_MCA_btl``), in the
 environment, or in an Open MPI parameter file. The user's choice always wins.
 
+Shared memory only needs room for it: each rank's ``sm`` transport makes a segment of
+``btl_sm_segment_size`` (16 MiB; ``btl_vader_segment_size``, 4 MiB, before Open MPI 5) in
+``/dev/shm``, and refuses it where ``/dev/shm`` has less free space than that and 5% more
+(Docker run with ``--shm-size=4m``, a small container). Open MPI alone then falls back to TCP;
+with shared memory only, ``MPI_Init`` fails ("unable to reach each other ... BTLs attempted:
+self"). So where ``/dev/shm`` cannot hold a segment, :func:`one_host_defaults` moves Open MPI's
+segments to the job's own session directory (``$TMPDIR/ompi.<mpirun's pid>/<job>``: private
+to the user, removed with the job), unless the user chose where they go: the job still opens
+no TCP listener, and smddp's own shared-memory plane, which needs ``/dev/shm`` itself, warns
+and leaves the CPU collectives to MPI (docs/troubleshooting.md).
+
 Open MPI 5's daemon (``prterun``) listens on every interface whatever it is told:
 docs/security.md says why, and what was tried.
 """
@@ -21,7 +32,10 @@ from typing import List, Mapping, MutableMapping, Optional, Sequence
 
 #: The variable Open MPI reads its ``btl`` setting from (``mpirun --mca btl X`` sets it in the ranks).
 BTL_ENV = "OMPI_MCA_btl"
-_BTL_LINE = re.compile(r"^\s*btl\s*=", re.MULTILINE)
+#: Where Open MPI's ``sm`` (``vader``) transport puts its segments unless told otherwise.
+SHM_DIR = "/dev/shm"
+#: Open MPI's default size of each rank's segment: 16 MiB (Open MPI 5), 4 MiB before; never below 2 MiB.
+_SEGMENT_BYTES, _VADER_SEGMENT_BYTES, _MIN_SEGMENT_BYTES = 16 << 20, 4 << 20, 2 << 20
 
 
 def one_host_btl(major: int) -> str:
@@ -40,6 +54,27 @@ def _param_files(env: Mapping[str, str]) -> List[str]:
     return files
 
 
+def _user_value(env: Mapping[str, str], names: Sequence[str]) -> Optional[str]:
+    """The value the user gave the Open MPI parameter ``names`` (one and its synonyms), or None.
+
+    The environment (``OMPI_MCA_<name>``, which mpirun's ``--mca`` sets in the ranks) first,
+    then the parameter files.
+    """
+    for name in names:
+        if f"OMPI_MCA_{name}" in env:
+            return env[f"OMPI_MCA_{name}"]
+    line = re.compile(rf"^\s*(?:{'|'.join(map(re.escape, names))})\s*=\s*(.*?)\s*$", re.MULTILINE)
+    for path in _param_files(env):
+        try:
+            with open(path) as handle:
+                found = line.search(handle.read())
+        except OSError:
+            continue
+        if found:
+            return found.group(1)
+    return None
+
+
 def user_chose_btl(env: Mapping[str, str], mpirun_args: Sequence[str] = ()) -> bool:
     """True when the user set Open MPI's ``btl``: in ``mpirun_args``, ``env`` or a parameter file.
 
@@ -51,16 +86,7 @@ def user_chose_btl(env: Mapping[str, str], mpirun_args: Sequence[str] = ()) -> b
     for i, word in enumerate(words[:-1]):
         if word in ("--mca", "-mca", "--omca", "-omca") and words[i + 1] == "btl":
             return True
-    if BTL_ENV in env:
-        return True
-    for path in _param_files(env):
-        try:
-            with open(path) as handle:
-                if _BTL_LINE.search(handle.read()):
-                    return True
-        except OSError:
-            continue
-    return False
+    return _user_value(env, ("btl",)) is not None
 
 
 def _openmpi_major(env: Mapping[str, str]) -> int:
@@ -69,19 +95,57 @@ def _openmpi_major(env: Mapping[str, str]) -> int:
     return int(match.group(1)) if match else 4
 
 
+def _room_for(directory: str, segment: int) -> bool:
+    """Whether ``directory`` has the free space Open MPI asks for a segment of ``segment`` bytes.
+
+    Open MPI's own check (``enough_space`` in its ``mmap`` shared-memory component) asks for the
+    segment and 5% more; a page more covers the segment's header.
+    """
+    try:
+        found = os.statvfs(directory)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize >= segment + segment // 20 + 4096
+
+
+def _fit_segments(env: MutableMapping[str, str], major: int) -> None:
+    """Point Open MPI's segments at the job's session directory where ``/dev/shm`` cannot hold one."""
+    names = ("btl_sm", "btl_vader") if major >= 5 else ("btl_vader",)
+    if _user_value(env, [f"{name}_backing_directory" for name in names]) is not None:
+        return
+    asked = _user_value(env, [f"{name}_segment_size" for name in names])
+    default = _SEGMENT_BYTES if major >= 5 else _VADER_SEGMENT_BYTES
+    try:
+        segment = max(int(asked, 0) if asked else default, _MIN_SEGMENT_BYTES)
+    except ValueError:
+        return  # Open MPI will say what it makes of the user's value
+    # OMPI_FILE_LOCATION is this rank's directory in the job's session directory, which mpirun
+    # made for the job alone (mode 0700) and removes when the job ends (smddprun too, when mpirun
+    # was killed outright); the segments' files are the job's to remove as in /dev/shm.
+    session = os.path.dirname(env.get("OMPI_FILE_LOCATION", "").rstrip("/"))
+    if _room_for(SHM_DIR, segment) or not session or not _room_for(session, segment):
+        return
+    env[f"OMPI_MCA_{names[0]}_backing_directory"] = session
+
+
 def one_host_defaults(env: Optional[MutableMapping[str, str]] = None) -> None:
     """Call just before smddp's first ``from mpi4py import MPI`` in a process (it initializes MPI).
 
     In a rank of an Open MPI job whose ranks all run on this host (``OMPI_COMM_WORLD_LOCAL_SIZE``
     equals ``OMPI_COMM_WORLD_SIZE``), sets ``OMPI_MCA_btl`` to shared memory only, so that the
-    rank opens no TCP listener, unless the user chose the transports (:func:`user_chose_btl`).
-    Anywhere else (another MPI, a job across hosts) it changes nothing.
+    rank opens no TCP listener, unless the user chose the transports (:func:`user_chose_btl`);
+    and where ``/dev/shm`` has no room for the rank's Open MPI segment, puts the segments in the
+    job's session directory instead (``OMPI_MCA_btl_sm_backing_directory``), unless the user
+    chose where they go. Anywhere else (another MPI, a job across hosts) it changes nothing.
 
     Args:
         env: the environment MPI will read; ``os.environ`` by default.
     """
     env = os.environ if env is None else env
     size, local_size = env.get("OMPI_COMM_WORLD_SIZE"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if not size or size != local_size or user_chose_btl(env):
+    if not size or size != local_size:
         return
-    env[BTL_ENV] = one_host_btl(_openmpi_major(env))
+    major = _openmpi_major(env)
+    if not user_chose_btl(env):
+        env[BTL_ENV] = one_host_btl(major)
+    _fit_segments(env, major)

@@ -116,6 +116,37 @@ def test_timeout_and_explicit_backend(clean_env):
         dist.destroy_process_group()
 
 
+def test_a_repeated_init_asks_for_the_running_group_or_raises(clean_env):
+    """Again with no arguments or the group's own: nothing changes. Anything else raises, naming
+    it (tests/scripts/collectives.py checks the same on every rank of real jobs)."""
+    from smddp.torch import groups
+
+    store = torch.distributed.HashStore()
+    dist.init_process_group("local", timeout=timedelta(seconds=7), store=store, rank=0, world_size=1)
+    try:
+        engine = groups.current().engine
+        dist.init_process_group()
+        dist.init_process_group("local", timeout=timedelta(seconds=7), store=store, rank=0, world_size=1)
+        for asked, named in [({"timeout": timedelta(seconds=3)}, "timeout=0:00:03 (the group's: 0:00:07)"),
+                             ({"backend": "gloo"}, "backend='gloo' (the group's: 'local')"),
+                             ({"store": torch.distributed.HashStore()}, "store="),
+                             ({"group_name": "other"}, "group_name='other' (the group's: none)")]:
+            with pytest.raises(smddp.InvalidArgumentError, match="destroy_process_group") as info:
+                dist.init_process_group(**asked)
+            assert named in str(info.value)
+        assert groups.current().engine is engine and engine.timeout == 7
+    finally:
+        dist.destroy_process_group()
+    from smddp.torch import torch_smddp  # noqa: F401 - the v2 style: torch's init makes the group
+    torch.distributed.init_process_group("smddp", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        dist.init_process_group()
+        with pytest.raises(smddp.InvalidArgumentError, match="made by torch.distributed.init_process_group"):
+            dist.init_process_group(init_method="env://")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_error_hierarchy():
     assert issubclass(smddp.CollectiveTimeout, TimeoutError)
     assert issubclass(smddp.InvalidGroupError, ValueError)
@@ -159,13 +190,17 @@ def test_torch_reduce_ops_map_to_smddp_ops():
     from smddp.torch.process_group import torch_op
 
     R = torch.distributed.ReduceOp
-    expected = {"SUM": Op.SUM, "AVG": Op.AVERAGE, "MIN": Op.MIN, "MAX": Op.MAX, "PRODUCT": Op.PRODUCT}
+    expected = {"SUM": Op.SUM, "AVG": Op.AVERAGE, "MIN": Op.MIN, "MAX": Op.MAX, "PRODUCT": Op.PRODUCT,
+                "BAND": Op.BAND, "BOR": Op.BOR, "BXOR": Op.BXOR}
     for name, op in expected.items():
         options = torch.distributed.AllreduceOptions()
         options.reduceOp = getattr(R, name)
         assert torch_op(getattr(R, name)) is op
         assert torch_op(R(getattr(R, name))) is op
         assert torch_op(options.reduceOp) is op
-    for refused in (R.BAND, R.BOR, R.BXOR, R(R.BXOR), 3, 0, None, "sum"):
-        with pytest.raises(smddp.InvalidArgumentError, match="does not support ReduceOp"):
+    premul = torch.distributed._make_nccl_premul_sum(2.0)
+    for refused, named in ((premul, "PREMUL_SUM"), (R.RedOpType.PREMUL_SUM, "PREMUL_SUM"), (3, "3"), (0, "0"),
+                           (None, "None"), ("sum", "'sum'")):
+        with pytest.raises(smddp.InvalidArgumentError, match=f"does not support ReduceOp {named};") as raised:
             torch_op(refused)
+        assert "object at" not in str(raised.value)  # named, never by an object's repr

@@ -25,10 +25,10 @@ from smddp._topology import Topology
 from smddp.comm import BACKENDS, Probe, choose_backend
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
-from smddp.comm.base import Communicator, Context, Done, Op, Pending
+from smddp.comm.base import ARITHMETIC, Communicator, Context, Done, Op, Pending
 from smddp.comm.cpu import PlaneSettings, build, companion
 from smddp.comm.engine import Engine
-from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -426,13 +426,18 @@ def test_torch_backend_wrapper_runs_every_collective_and_op():
 
     def body(r, engine):
         out = {}
-        for op in Op:
+        for op in ARITHMETIC:
             t = inputs[r].clone()
             engine.all_reduce(t, op)
             out[op] = t
         ints = torch.tensor([7, 2]) * (r + 1)
         engine.all_reduce(ints, Op.AVERAGE)
         out["int_average"] = ints
+        bits = torch.tensor([6, 3, -1], dtype=torch.int32) * (r + 1)
+        engine.all_reduce(bits, Op.BXOR)
+        out["int_bxor"] = bits
+        with pytest.raises(InvalidTypeError, match="BAND of float32 tensors is refused"):
+            engine.all_reduce(inputs[r].clone(), Op.BAND)  # refused before torch's backend is called
         b = inputs[r].clone()
         engine.broadcast(b, 1)
         out["broadcast"] = b
@@ -459,6 +464,7 @@ def test_torch_backend_wrapper_runs_every_collective_and_op():
         for op, value in expected.items():
             assert torch.equal(results[r][op], value), (r, op)
         assert results[r]["int_average"].tolist() == [10, 3]  # (7+14)//2, (2+4)//2
+        assert results[r]["int_bxor"].tolist() == [6 ^ 12, 3 ^ 6, -1 ^ -2]
         assert torch.equal(results[r]["broadcast"], inputs[1])
         assert torch.equal(results[r]["all_gather"], inputs)
         assert results[r]["barrier"] is True

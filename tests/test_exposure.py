@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,8 +134,9 @@ def check_reduced(out: str, ranks: int) -> None:
     assert found == [(str(r), "ok") for r in range(ranks)], out
 
 
-def assert_loopback_only(job: Held, ranks: int, not_ours: Set[str]) -> None:
-    """Every process of ``job`` but those named ``not_ours`` listens on loopback only; each rank listens."""
+def assert_loopback_only(job: Held, ranks: int, not_ours: Set[str]) -> str:
+    """Every process of ``job`` but those named ``not_ours`` listens on loopback only; each rank
+    listens. Returns the job's output (stdout, then stderr)."""
     pids = [p for p in job.processes() if comm(p) not in not_ours]
     found = listeners_of(pids)
     out, err = job.finish()
@@ -143,6 +145,7 @@ def assert_loopback_only(job: Held, ranks: int, not_ours: Set[str]) -> None:
     assert exposed(found) == {}, f"{exposed(found)}\n{found}"
     for pid in job.rank_pids():
         assert found.get(pid), f"rank {pid} listens nowhere: the probe saw nothing ({found})"
+    return out + err
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -172,6 +175,29 @@ def test_plain_mpirun_on_one_host_listens_on_loopback_only(tmp_path, ranks):
         pytest.skip("mpirun not installed")
     job = Held([MPIRUN, "-np", str(ranks), "--oversubscribe", sys.executable], ranks, tmp_path)
     assert_loopback_only(job, ranks, not_ours={"prterun", "mpirun"})
+
+
+def small_dev_shm(size: str) -> List[str]:
+    """A command prefix that runs the rest in a mount namespace of its own with a ``size`` /dev/shm."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a /dev/shm of its own needs root and unshare")
+    mount = f"mount -t tmpfs -o size={size} tmpfs /dev/shm"
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", mount], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    return ["unshare", "--mount", "sh", "-c", f'{mount} && exec "$@"', "small-dev-shm"]
+
+
+@pytest.mark.mpi
+def test_plain_mpirun_in_a_4_mb_dev_shm_runs_over_loopback_only(tmp_path):
+    # Open MPI's shared memory (16 MiB a rank) does not fit: with smddp's "self,sm" MPI_Init used
+    # to fail. Its segments now go to the job's session directory (smddp/_mca.py); smddp's own
+    # plane does not fit either, so rank 0 warns once and the collectives run on MPI.
+    if MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    job = Held([*small_dev_shm("4m"), MPIRUN, "-np", "2", "--oversubscribe", sys.executable], 2, tmp_path)
+    output = assert_loopback_only(job, 2, not_ours={"prterun", "mpirun"})
+    assert output.count("shared-memory plane unavailable") == 1, output
 
 
 @pytest.mark.mpi
@@ -205,6 +231,26 @@ def test_mca_defaults_only_for_an_open_mpi_rank_on_one_host_without_a_btl_of_its
     env = {"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}  # MPICH: not Open MPI's settings
     _mca.one_host_defaults(env)
     assert "OMPI_MCA_btl" not in env
+
+
+def test_open_mpi_segments_move_only_where_they_fit_and_the_user_did_not_place_them(tmp_path):
+    # (The move itself, where /dev/shm is small: test_plain_mpirun_in_a_4_mb_dev_shm_...)
+    session = tmp_path / "ompi.1" / "1"
+    (session / "0").mkdir(parents=True)
+    rank = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_VERSION": "5.0.11",
+            "OMPI_MCA_mca_base_param_files": str(tmp_path / "none.conf"), "HOME": str(tmp_path),
+            "OMPI_FILE_LOCATION": str(session / "0")}
+    placed = {**rank, "OMPI_MCA_btl_sm_segment_size": str(1 << 60), "OMPI_MCA_btl_sm_backing_directory": "/mine"}
+    _mca.one_host_defaults(placed)
+    assert placed["OMPI_MCA_btl_sm_backing_directory"] == "/mine"  # the user's, even where nothing fits
+    nowhere = {**rank, "OMPI_MCA_btl_sm_segment_size": str(1 << 60)}
+    _mca.one_host_defaults(nowhere)
+    assert "OMPI_MCA_btl_sm_backing_directory" not in nowhere  # no directory holds it: Open MPI says so
+    free = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if free is not None and free.f_bavail * free.f_frsize >= 32 << 20:
+        roomy = dict(rank)
+        _mca.one_host_defaults(roomy)
+        assert "OMPI_MCA_btl_sm_backing_directory" not in roomy  # /dev/shm holds 16 MiB: left alone
 
 
 def test_torchrun_ranks_listen_on_loopback_only(tmp_path):

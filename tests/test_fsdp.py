@@ -15,7 +15,7 @@ import torch.distributed as tdist
 import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.algorithms import derived
-from smddp.comm.base import Op
+from smddp.comm.base import BITWISE, Op
 
 from launchers import mpirun, python, rank_lines
 
@@ -92,13 +92,17 @@ def world_of_one(monkeypatch):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("op", list(Op))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("op,dtype", [(op, dtype) for op in Op for dtype in (torch.float32, torch.bfloat16, torch.int64)
+                                      if op not in BITWISE or not dtype.is_floating_point])
 def test_reduce_rows(op, dtype):
     g = torch.Generator().manual_seed(3)
     rows = torch.randint(1, 5, (3, 6), generator=g).to(dtype)
     out = torch.empty(2, 3, dtype=dtype)
     derived.reduce_rows(rows, op, out)
+    if op in BITWISE:
+        fold = {Op.BAND: torch.bitwise_and, Op.BOR: torch.bitwise_or, Op.BXOR: torch.bitwise_xor}[op]
+        assert torch.equal(out, fold(fold(rows[0], rows[1]), rows[2]).view(2, 3))
+        return
     wide = rows.double()
     want = {Op.SUM: wide.sum(0), Op.AVERAGE: wide.sum(0) / 3, Op.MIN: wide.min(0).values,
             Op.MAX: wide.max(0).values, Op.PRODUCT: wide.prod(0)}[op]
@@ -106,6 +110,18 @@ def test_reduce_rows(op, dtype):
         want = torch.div(wide.sum(0), 3, rounding_mode="trunc")
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), want.to(dtype).double().view(2, 3))
+
+
+@pytest.mark.parametrize("op", [op for op in Op if op is not Op.AVERAGE])
+def test_reduce_rows_of_bools_is_logic(op):
+    """bool rows fold as torch's bool arithmetic does: SUM and MAX an or, PRODUCT and MIN an and."""
+    rows = torch.tensor([[True, True, False, False], [True, False, True, False], [True, False, False, False]])
+    out = torch.empty(4, dtype=torch.bool)
+    derived.reduce_rows(rows, op, out)
+    any_, all_ = rows.any(0), rows.all(0)
+    want = {Op.SUM: any_, Op.MAX: any_, Op.BOR: any_, Op.PRODUCT: all_, Op.MIN: all_, Op.BAND: all_,
+            Op.BXOR: rows[0] ^ rows[1] ^ rows[2]}[op]
+    assert torch.equal(out, want) and out.view(torch.uint8).max() <= 1
 
 
 def test_native_backend_and_name(world_of_one):

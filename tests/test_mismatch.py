@@ -39,6 +39,7 @@ EXPECTED = {
     "barrier_vs_all_reduce": "barrier() as sequence",
     "all_reduce_vs_broadcast": "broadcast(src=0, dtype=float32, numel=4)",
     "sum_vs_max": "(they differ in reduction op)",
+    "band_vs_bor": "(they differ in reduction op)",
     "count_1m": "numel=1048577",
     "a2a_unpaired": "split sizes do not pair up",
     "switch_rank": "(they differ in element count)",
@@ -100,6 +101,8 @@ def check_every_case(result, size: int, plane: str, cases=tuple(EXPECTED), plane
             assert f"rank 0 sends 2 elements to rank {size - 1}, which expects 3." in message, message
         else:
             assert f"Ranks that differ from rank 0: {odd_ranks(case, size)}." in message, (case, message)
+        if case == "band_vs_bor":  # the op codes past the arithmetic ones, carried and named
+            assert "all_reduce(op=BAND, dtype=int32" in message and "all_reduce(op=BOR, dtype=int32" in message, message
         for rank in range(size):
             assert after.get((case, rank)) == str([total] * 3), (case, rank, after.get((case, rank)))
 

@@ -26,7 +26,7 @@ from smddp._topology import Topology
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import NCCL_2_10
 from smddp.comm.backends.torch_native import TorchNCCLCommunicator
-from smddp.comm.base import Context, Op
+from smddp.comm.base import ARITHMETIC, Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.engine.handle import _cpp_future
 from smddp.comm.subgroups import group_topology, subgroup_communicators
@@ -51,7 +51,7 @@ def test_collectives_on_every_rank(fake, size, version):
         if version < NCCL_2_10:  # ncclBfloat16 came with NCCL 2.10: refused before any call
             with pytest.raises(InvalidTypeError, match="bfloat16"):
                 engine.all_reduce(torch.ones(2, dtype=torch.bfloat16), Op.SUM)
-        for i, op in enumerate(Op):
+        for i, op in enumerate(ARITHMETIC):
             for j, dtype in enumerate(reduce_dtypes):
                 t = seeded(r, (3, 5), dtype, 10 * i + j)
                 engine.all_reduce(t, op)
@@ -78,6 +78,11 @@ def test_collectives_on_every_rank(fake, size, version):
             out = torch.zeros(3)
             derived.reduce_scatter_tensor(engine, out, seeded(r, (size * 3,), torch.float32, 95 + k), op).wait()
             got[("reduce_scatter", op)] = out
+            # chunks of different sizes, as torch's NCCL group takes them (ncclReduceScatter cannot)
+            uneven = torch.zeros(2 + r)
+            derived.reduce_scatter(engine, uneven, [seeded(r, (2 + j,), torch.float32, 97 + 2 * j + k)
+                                                    for j in range(size)], op).wait()
+            got[("reduce_scatter uneven", op)] = uneven
         got["barrier"] = engine.barrier(async_op=True).wait()
         lane = nccl_comm._lane
         engine.close()
@@ -88,7 +93,7 @@ def test_collectives_on_every_rank(fake, size, version):
     results = run_ranks(fake, size, body)
     for r in range(size):
         got = results[r]
-        for i, op in enumerate(Op):
+        for i, op in enumerate(ARITHMETIC):
             for j, dtype in enumerate(reduce_dtypes):
                 want = expected_reduce(size, (3, 5), dtype, op, 10 * i + j, version >= NCCL_2_10)
                 assert torch.equal(got[("all_reduce", op, dtype)], want), (r, op, dtype)
@@ -108,6 +113,8 @@ def test_collectives_on_every_rank(fake, size, version):
             want = expected_reduce(size, (size * 3,), torch.float32, op, 95 + k, version >= NCCL_2_10)
             want = want[r * 3:(r + 1) * 3]
             assert torch.equal(got[("reduce_scatter", op)], want), (r, op)
+            want = expected_reduce(size, (2 + r,), torch.float32, op, 97 + 2 * r + k, version >= NCCL_2_10)
+            assert torch.equal(got[("reduce_scatter uneven", op)], want), (r, op)
         assert got["barrier"] is True and got["destroyed"]
     assert all(c.destroyed and not c.aborted for c in fake.comms)
     assert (4 in fake.op_codes) == (version >= NCCL_2_10)  # ncclAvg only where NCCL has it
@@ -215,7 +222,8 @@ def test_an_enqueued_collective_is_done_at_once_and_its_cpp_half_settles_after_i
 # ---------------------------------------------------------------------------- dtypes torch's NCCL group sends
 def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
     """bool as uint8 (SUM an or), complex as its real view, float8 as bytes; refusals raise before
-    anything is sent and leave the ranks in step; int16 is refused, as by torch's NCCL group."""
+    anything is sent and leave the ranks in step; int16 and the bitwise reductions (of any dtype)
+    are refused, as by torch's NCCL group, each by its name."""
     both = threading.Barrier(2, timeout=JOIN)  # the stand-in's record of calls is shared by the ranks
 
     def body(r, engine, nccl_comm):
@@ -253,6 +261,16 @@ def test_bool_complex_and_float8_travel_as_torchs_nccl_group_sends_them(fake):
             engine.all_reduce(torch.ones(3, dtype=torch.float8_e5m2), Op.SUM)
         with pytest.raises(InvalidTypeError, match="int16 is not supported by the nccl backend"):
             engine.all_reduce(torch.ones(3, dtype=torch.int16), Op.SUM)
+        bitwise = ((Op.BAND, torch.int32), (Op.BOR, torch.bool), (Op.BXOR, torch.int64), (Op.BAND, torch.float32))
+        for op, dtype in bitwise:
+            refusal = f"{op.name} is refused on NCCL, as by torch's NCCL group"
+            with pytest.raises(InvalidArgumentError, match=refusal):
+                engine.all_reduce(torch.ones(3, dtype=dtype), op)
+            with pytest.raises(InvalidArgumentError, match=refusal):
+                derived.reduce_scatter_tensor(engine, torch.ones(3, dtype=dtype), torch.ones(6, dtype=dtype), op)
+            with pytest.raises(InvalidArgumentError, match=refusal):  # uneven chunks: an all_reduce, refused
+                derived.reduce_scatter(engine, torch.ones(1 + r, dtype=dtype), [torch.ones(1, dtype=dtype),
+                                                                                torch.ones(2, dtype=dtype)], op)
         got["sent after refusals"] = len(fake.op_codes) - codes
         both.wait()
         after = seeded(r, (3,), torch.float32, 43)

@@ -26,17 +26,25 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 
 from smddp._topology import Topology
-from smddp.errors import BackendUnavailableError
+from smddp.errors import BackendUnavailableError, InvalidTypeError
 
 
 class Op(enum.Enum):
-    """Reduction operations a communicator understands."""
+    """Reduction operations a communicator understands.
+
+    Their order gives their codes (:data:`smddp.comm.fingerprint.OPS`, the compiled core's
+    ``R_*`` in ``_shm_fold.h``): a new one goes at the end. The bitwise ones (:data:`BITWISE`)
+    take integer and bool tensors (:func:`check_reduction`).
+    """
 
     SUM = "sum"
     AVERAGE = "average"
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     # Members are singletons compared by identity: hash them in C, not with Enum's Python
     # __hash__ (every collective looks its op up in a table).
@@ -74,16 +82,77 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in HALF else tensor
 
 
+#: The bitwise reductions: integer and bool tensors only, as gloo has them (NCCL has none).
+BITWISE = frozenset({Op.BAND, Op.BOR, Op.BXOR})
+#: The reductions of numbers, which every backend has.
+ARITHMETIC = (Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT)
+_NOT_FOR_EVERY_DTYPE = BITWISE | {Op.AVERAGE}
+
+
+def check_reduction(dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
+    """Refuse a reduction that tensors of ``dtype`` do not have, before anything is sent.
+
+    gloo's rules, on every CPU plane: a bitwise op (``BAND``, ``BOR``, ``BXOR``) of
+    floating-point or complex numbers (gloo: "Cannot use ReduceOp.BAND with non-integral
+    dtype"), and AVERAGE of bools (gloo fails it; torch's NCCL group refuses it).
+
+    Args:
+        dtype: the tensors' dtype.
+        op: the reduction.
+        what: the collective, for the message.
+
+    Raises:
+        InvalidTypeError: naming the op and the dtype.
+    """
+    if op not in _NOT_FOR_EVERY_DTYPE:
+        return
+    if op is Op.AVERAGE:
+        if dtype is torch.bool:
+            raise InvalidTypeError(
+                f"{what}: AVERAGE of bool tensors is refused (gloo fails it, torch's NCCL group refuses it); "
+                f"use SUM (a logical or), MIN, MAX or a bitwise op, or convert to a number type")
+    elif dtype.is_floating_point or dtype.is_complex:
+        name = str(dtype).replace("torch.", "")
+        raise InvalidTypeError(
+            f"{what}: {op.name} of {name} tensors is refused, as by gloo: the bitwise reductions (BAND, BOR, "
+            f"BXOR) take integer and bool tensors")
+
+
+#: bool reduced as its bytes (0 and 1 as uint8) where a library has no bool type (MPI): SUM and
+#: PRODUCT become MAX and MIN, a logical or and a logical and, as gloo's bool arithmetic (no
+#: 1 + 1 = 2); MIN, MAX and the bitwise ops act on 0 and 1 as logic does.
+_BOOL_AS_BYTES = {Op.SUM: Op.MAX, Op.PRODUCT: Op.MIN}
+
+
+def bool_as_bytes(tensor: torch.Tensor, op: Op):
+    """``(tensor, op)``, or for a bool tensor its uint8 view and the op that reduces it so.
+
+    Check the pair first (:func:`check_reduction`: AVERAGE of bools is refused).
+    """
+    if tensor.dtype is torch.bool:
+        return tensor.view(torch.uint8), _BOOL_AS_BYTES.get(op, op)
+    return tensor, op
+
+
 def combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
-    """Fold ``incoming`` into ``acc`` in place with ``op`` (AVERAGE folds as a sum)."""
+    """Fold ``incoming`` into ``acc`` in place with ``op`` (AVERAGE folds as a sum).
+
+    bool tensors fold as torch's bool arithmetic does: SUM an or, PRODUCT an and.
+    """
     if op in (Op.SUM, Op.AVERAGE):
         acc.add_(incoming)
     elif op is Op.MIN:
         torch.minimum(acc, incoming, out=acc)
     elif op is Op.MAX:
         torch.maximum(acc, incoming, out=acc)
-    else:
+    elif op is Op.PRODUCT:
         acc.mul_(incoming)
+    elif op is Op.BAND:
+        acc.bitwise_and_(incoming)
+    elif op is Op.BOR:
+        acc.bitwise_or_(incoming)
+    else:
+        acc.bitwise_xor_(incoming)
 
 
 def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
@@ -249,6 +318,12 @@ class Communicator(abc.ABC):
     #: The group's agreed layout (:class:`smddp.comm.layout.Layout`; None for a group of one).
     layout: Optional[Any] = None
 
+    #: A stream-ordered communicator's direct path for all-reduces, once it has one: an object whose
+    #: ``all_reduce(tensor, op, seq, name, async_op)`` enqueues the collective and returns a ``Work``
+    #: (asynchronous) or None, with nothing for the engine to track, or its ``REFUSED`` having sent
+    #: nothing (:mod:`smddp.comm.backends.nccl_direct`). None: every call takes the general path.
+    direct: Optional[Any] = None
+
     #: Data moves only while a thread calls into the library (MPI, shared memory), not on
     #: threads or streams of its own (gloo, NCCL): see :meth:`Engine.finish
     #: <smddp.comm.engine.Engine.finish>`.
@@ -309,6 +384,18 @@ class Communicator(abc.ABC):
             NotImplementedError: this backend has no native reduce-scatter.
         """
         raise NotImplementedError(f"the {self.name!r} backend has no native reduce_scatter")
+
+    def check_reduction(self, dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
+        """Refuse a reduction this communicator has not for ``dtype``, before anything is sent.
+
+        gloo's rules by default (the module's :func:`check_reduction`); a device backend adds its
+        library's (NCCL has no bitwise ops). The engine's derived collectives, which reduce
+        locally what the communicator moved, ask it before they start.
+
+        Raises:
+            InvalidTypeError, InvalidArgumentError: naming the op.
+        """
+        check_reduction(dtype, op, what)  # the module's function
 
     @property
     def native_reduce_scatter(self) -> bool:

@@ -23,8 +23,10 @@ from smddp.comm.base import Op
 from smddp.errors import CollectiveMismatchError
 
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier", "reduce_scatter")
+#: Codes of reductions: :class:`~smddp.comm.base.Op`'s order (the bitwise ones after the five of
+#: numbers), also the shared-memory core's op codes (``R_*`` in ``_shm_fold.h``).
 OPS = tuple(Op)
-#: Codes of dtypes; the first nine are also the shared-memory core's dtype codes.
+#: Codes of dtypes; the first ten (bool the last) are also the shared-memory core's dtype codes.
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,

@@ -9,6 +9,7 @@ the torch-API tests were also run on 2.11.0, the GPU machine's), and what a vers
 from __future__ import annotations
 
 import sys
+import types
 from typing import Callable
 
 import torch
@@ -132,6 +133,149 @@ def xccl_backend(store, rank: int, size: int, timeout, group_name: str):
     options.group_name = group_name
     options.global_ranks_in_group = list(range(size))
     return tdist.ProcessGroupXCCL(store, rank, size, options)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_code_exec_strategy = getattr(_eval_frame, "set_code_exec_strategy", None)
+_FrameAction = getattr(_eval_frame, "_FrameAction", None)
+_FrameExecStrategy = getattr(_eval_frame, "_FrameExecStrategy", None)
+
+#: Whether :func:`opaque_to_dynamo` can hide code from torch.compile (torch 2.7 and later).
+DYNAMO_OPAQUE = None not in (_set_code_exec_strategy, _FrameAction, _FrameExecStrategy)
+
+
+def opaque_to_dynamo(*targets):
+    """Have torch.compile run ``targets``, and all they call, as it runs C++: unseen, eagerly.
+
+    While a compiled function runs, dynamo's frame hook sees every Python frame its thread starts,
+    those C++ calls back into included. torch's DDP forward runs eagerly under it, and its reducer
+    calls the group's ``broadcast`` (the bucket rebuild of the second step, buffers), ``allreduce``
+    (``join()``) and the ``Work``'s ``wait()``; a ``backward()`` inside a compiled function runs
+    the reducer's all-reduces and communication hook under the hook too. gloo's methods are C++;
+    a Python group's are traced (torch 2.13: and fail, dynamo taking ``self``, a
+    ``ProcessGroup``, for an opaque script object whose attributes it refuses). Here each code
+    object of ``targets`` gets dynamo's exec strategy ``(SKIP, SKIP)``, the one dynamo gives a
+    frame it must skip with all it calls (its ``SkipCodeRecursiveException``): the frame runs
+    with the hook off. Eager code pays nothing: only the hook reads the strategy, and torch
+    installs the hook only while a compiled function runs.
+
+    ``torch._C._dynamo.eval_frame.set_code_exec_strategy``, ``_FrameAction`` and
+    ``_FrameExecStrategy``: torch 2.7 to 2.14 (2.7.0, 2.13.0 and 2.14.1 checked). torch 2.4 to
+    2.6 lack them (2.6.0 checked: a non-recursive ``skip_code``, and a recursive skip only
+    dynamo's callback can ask for): there this does nothing, and dynamo may trace the group's
+    methods as it did before; ``DDP(torch.compile(model))`` keeps DDP's forward out of dynamo
+    on every version.
+
+    Args:
+        targets: functions, classes (their functions, properties, static and class methods)
+            and modules (the functions and classes defined in them); nested functions and
+            lambdas included, for C++ may call those later (future callbacks).
+
+    Returns:
+        The first target, so that this decorates a class or a function.
+    """
+    if DYNAMO_OPAQUE:
+        strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+        for target in targets:
+            for code in _code_objects(target):
+                _set_code_exec_strategy(code, strategy)
+    return targets[0] if targets else None
+
+
+def _code_objects(target, seen=None):
+    """Every code object defined in ``target`` (a function, class or module), nested ones included."""
+    seen = set() if seen is None else seen
+    if id(target) in seen:
+        return
+    seen.add(id(target))
+    if isinstance(target, types.CodeType):
+        yield target
+        for const in target.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from _code_objects(const, seen)
+    elif isinstance(target, types.FunctionType):
+        yield from _code_objects(target.__code__, seen)
+    elif isinstance(target, (staticmethod, classmethod)):
+        yield from _code_objects(target.__func__, seen)
+    elif isinstance(target, property):
+        for accessor in (target.fget, target.fset, target.fdel):
+            if accessor is not None:
+                yield from _code_objects(accessor, seen)
+    elif isinstance(target, type):
+        for member in vars(target).values():
+            yield from _code_objects(member, seen)
+    elif isinstance(target, types.ModuleType):
+        for member in vars(target).values():
+            if isinstance(member, (types.FunctionType, type)) and member.__module__ == target.__name__:
+                yield from _code_objects(member, seen)
+
+
+# ---------------------------------------------------------------------------- CUDA streams
+class CudaStreams:
+    """The calling thread's current CUDA stream on one device, asked cheaply, and made current.
+
+    ``torch.cuda.current_stream(i)`` makes a new ``Stream`` per call (1.8 us of host time on an
+    H100 machine, 3.2 us given a ``torch.device``); its C call, ``torch._C._cuda_getCurrentStream``,
+    costs 0.13 us and returns the stream's ids, a tuple: here the tuple is the key of a ``Stream``
+    made once. ``_cuda_getCurrentStream``, ``_cuda_setStream`` (the C calls behind
+    ``torch.cuda.current_stream`` and ``torch.cuda.set_stream``) and ``_cuda_isCurrentStreamCapturing``:
+    torch 2.4 to 2.14's CUDA builds. Where they are missing (a CPU build, as under the suite's
+    NCCL stand-in) the public functions serve, the key being the ``Stream`` itself.
+
+    Args:
+        index: the CUDA device index.
+    """
+
+    #: At most this many streams are remembered (torch's pools hold 32 per priority; external
+    #: streams are the rest).
+    CACHE = 256
+
+    def __init__(self, index: int):
+        self.index = index
+        get = getattr(torch._C, "_cuda_getCurrentStream", None)
+        put = getattr(torch._C, "_cuda_setStream", None)
+        capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+        self._streams: dict = {}
+        self._public = get is None or put is None or capturing is None
+        if self._public:
+            self.current = self._public_current
+            self.make_current = torch.cuda.set_stream
+            #: True while the calling thread's current stream captures a CUDA graph (a C call).
+            self.capturing = torch.cuda.is_current_stream_capturing
+        else:
+            self._get, self._put = get, put
+            self.capturing = capturing
+
+    def current(self):
+        """``(key, stream)``: the calling thread's current stream on the device; ``key`` for :meth:`make_current`."""
+        key = self._get(self.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= self.CACHE:
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                            device_type=key[2])
+        return key, stream
+
+    def make_current(self, key) -> None:
+        """Make the stream of ``key`` (from :meth:`current` or :meth:`key_of`) the calling thread's current one."""
+        self._put(*key)  # stream_id, device_index, device_type, positional: the C call takes them so
+
+    def key_of(self, stream):
+        """The key of ``stream`` for :meth:`make_current`."""
+        return stream if self._public else (stream.stream_id, stream.device_index, stream.device_type)
+
+    def _public_current(self):
+        stream = torch.cuda.current_stream(self.index)
+        return stream, stream
+
+
+def device_future(device: torch.device) -> torch.futures.Future:
+    """A CUDA-aware future on ``device``: completing it records an event on the device's current
+    stream, and a wait or a ``then`` callback makes the waiter's current stream wait on it
+    (``torch.futures.Future(devices=...)``, torch 1.9 and later)."""
+    return torch.futures.Future(devices=[device])
 
 
 # ---------------------------------------------------------------------------- autograd

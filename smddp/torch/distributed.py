@@ -34,7 +34,7 @@ from smddp.errors import (
     InvalidTypeError,
     NotInitializedError,
 )
-from smddp.torch import _compat, groups, process_group
+from smddp.torch import _compat, _repeated_init, groups, process_group
 
 __all__ = [
     "ReduceOp",
@@ -90,6 +90,7 @@ _WORLD = group.WORLD
 
 
 _OPS = {ReduceOp.AVERAGE: Op.AVERAGE, ReduceOp.SUM: Op.SUM, ReduceOp.MIN: Op.MIN, ReduceOp.MAX: Op.MAX}
+_V1_OPS = frozenset(_OPS.values())
 
 _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name",
                 "pg_options", "device_id")
@@ -133,9 +134,11 @@ def _op(op) -> Op:
         found = process_group.torch_op(op)  # torch's ReduceOp: one translation of it, the backend's
     except InvalidArgumentError:
         found = None
-    if found is None or found is Op.PRODUCT:  # the reference's four
+    if found not in _V1_OPS:  # the reference's four
+        name = getattr(getattr(op, "op", op), "name", None) or getattr(found, "name", None) or repr(op)
         raise InvalidArgumentError(
-            f"unsupported reduction op {op!r}; supported: ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX"
+            f"unsupported reduction op {name}; supported: ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX "
+            f"(smdistributed's four; torch.distributed.all_reduce takes PRODUCT and BAND, BOR, BXOR)"
         )
     return found
 
@@ -161,7 +164,12 @@ def init_process_group(*args, **kwargs) -> None:
     After this call, :func:`is_initialized` returns ``True``, and so does
     ``torch.distributed.is_initialized()``: torch's default group is smddp's.
     A plain ``python train.py`` gets rank 0 of a world of one, without MPI or ports.
-    Calling it again once initialized does nothing.
+
+    Calling it again once initialized (a library that initializes too) returns and changes
+    nothing when the call has no arguments or only the running group's own (its backend,
+    timeout, rank, world size, and the rendezvous and device it was made with); a call that asks
+    for anything else raises, as torch raises on any second initialization. To initialize with
+    other arguments, call :func:`destroy_process_group` first.
 
     Args:
         backend (str, optional): ``"mpi"``, ``"gloo"``, ``"nccl"``, ``"torch-nccl"``,
@@ -175,7 +183,9 @@ def init_process_group(*args, **kwargs) -> None:
     Raises:
         BackendUnavailableError: an unknown backend (the valid ones are listed), or one
             whose library is not installed (the pip extra is named).
-        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds.
+        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds; or, once
+            initialized, an argument asks for something the running group is not (the message
+            names each one beside the group's value).
         TypeError: an argument torch's ``init_process_group`` does not have either.
     """
     if len(args) > 1:
@@ -187,7 +197,9 @@ def init_process_group(*args, **kwargs) -> None:
         if "backend" in kwargs:
             raise TypeError("init_process_group() got backend twice")
         kwargs["backend"] = args[0]
-    if is_initialized():
+    world = groups.current()
+    if world is not None:
+        _repeated_init.check(world, kwargs)
         return
     timeout = kwargs.get("timeout")
     if timeout is None:
@@ -221,6 +233,7 @@ def init_process_group(*args, **kwargs) -> None:
             )
     finally:
         groups.request_backend(None)
+    _repeated_init.remember(groups.current(), kwargs)
 
 
 def is_initialized() -> bool:

@@ -22,6 +22,7 @@ from smddp.comm.algorithms import derived
 from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine import events as _events
+from smddp.comm.engine import handle as _handle
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _c10d_events, _compat, _labels
 
@@ -33,7 +34,11 @@ _RED_OPS = {  # torch's reduction code (its RedOpType's value) to smddp's Op
     tdist.ReduceOp.RedOpType.MIN.value: Op.MIN,
     tdist.ReduceOp.RedOpType.MAX.value: Op.MAX,
     tdist.ReduceOp.RedOpType.PRODUCT.value: Op.PRODUCT,
+    tdist.ReduceOp.RedOpType.BAND.value: Op.BAND,
+    tdist.ReduceOp.RedOpType.BOR.value: Op.BOR,
+    tdist.ReduceOp.RedOpType.BXOR.value: Op.BXOR,
 }
+_SUPPORTED = "SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR (the bitwise ones of integer and bool tensors)"
 _TORCH_REDUCE_OP = tdist.ReduceOp
 _RED_OP_TYPE = tdist.ReduceOp.RedOpType
 #: torch's ReduceOp hashes to its code (checked here, per kind): hash() reads it in one C call
@@ -56,7 +61,7 @@ def torch_op(reduce_op) -> Op:
     """smddp's :class:`Op` for a torch ``ReduceOp`` (an options field or a constant).
 
     Raises:
-        InvalidArgumentError: a reduction smddp does not support (``BAND``, a premul sum, ...).
+        InvalidArgumentError: a reduction smddp does not support (a premul sum, ...), named by name.
     """
     kind = reduce_op.__class__
     if kind is _TORCH_REDUCE_OP:
@@ -68,9 +73,15 @@ def torch_op(reduce_op) -> Op:
     op = _RED_OPS.get(code)
     if op is None:
         raise InvalidArgumentError(
-            f"the smddp backend does not support ReduceOp {reduce_op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
-        )
+            f"the smddp backend does not support ReduceOp {_op_name(reduce_op)}; supported: {_SUPPORTED}")
     return op
+
+
+def _op_name(reduce_op) -> str:
+    """A torch reduction by its name (``PREMUL_SUM``), whatever form it came in; else its repr."""
+    kind = getattr(reduce_op, "op", reduce_op)  # a ReduceOp object carries its RedOpType
+    name = getattr(kind, "name", None)
+    return name if isinstance(name, str) and isinstance(kind, _RED_OP_TYPE) else repr(reduce_op)
 
 
 def _single(tensors, what: str) -> torch.Tensor:
@@ -84,6 +95,13 @@ def _wants_work(opts) -> bool:
     return not _SYNC_RETURNS_NONE or getattr(opts, "asyncOp", True)
 
 
+# torch.compile sees none of this group, as it sees none of gloo's C++: the group's methods and the
+# Work they return (the engine's handles), called back by torch's C++ (DDP's reducer) while a
+# compiled function runs, run unseen by dynamo (_compat.opaque_to_dynamo).
+_compat.opaque_to_dynamo(_handle)
+
+
+@_compat.opaque_to_dynamo
 class SmddpProcessGroup(tdist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on an :class:`~smddp.comm.engine.Engine`.
 
@@ -132,11 +150,18 @@ class SmddpProcessGroup(tdist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         # Under torch.profiler, the dispatcher's event: held by this local, it ends on return.
         _event = _c10d_events.begin("allreduce_", locals()) if _profiling() else None
-        tensor = _single(tensors, "allreduce")
+        tensor = tensors[0] if len(tensors) == 1 else _single(tensors, "allreduce")
         if tensor.is_sparse:
             # Sparse tensors (an embedding's gradients) go through torch's own gloo, as with gloo.
             return self._native(tensor, "allreduce of a sparse tensor").allreduce(tensors, opts)
-        op = torch_op(opts.reduceOp if opts.__class__ is _ALLREDUCE_OPTIONS else opts or tdist.ReduceOp.SUM)
+        if opts.__class__ is _ALLREDUCE_OPTIONS:
+            reduce_op = opts.reduceOp
+            # torch_op's common case inline: every torch-API all-reduce pays for this method
+            op = _RED_OPS.get(hash(reduce_op)) if _HASH_IS_CODE and reduce_op.__class__ is _TORCH_REDUCE_OP else None
+            if op is None:
+                op = torch_op(reduce_op)
+        else:
+            op = torch_op(opts or tdist.ReduceOp.SUM)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         task = _graph_task()
         label = None if task == -1 else _DDP_GRADIENTS
@@ -208,7 +233,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         _event = _c10d_events.begin("reduce_scatter_", locals()) if _profiling() else None
         output = _single(output_tensors, "reduce_scatter")
         inputs = _single(input_tensors, "reduce_scatter")
-        return derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts))
+        return derived.reduce_scatter(self.engine, output, inputs, _reduce_op(opts), _wants_work(opts))
 
     def reduce(self, tensors, opts=None):
         _event = _c10d_events.begin("reduce_", locals()) if _profiling() else None

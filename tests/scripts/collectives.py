@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
 import smddp
 import smddp.torch.distributed as dist
+from smddp.torch import groups
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.uint8, torch.int8, torch.int32, torch.int64]
@@ -221,6 +223,57 @@ def check_torch_interop() -> None:
     passed("torch_ddp")
 
 
+def check_torch_reductions() -> None:
+    """torch.distributed's bitwise reductions and reduce_scatter of chunks of different sizes on the
+    smddp backend: the values computed here, and the bits torch's gloo group gives on the same inputs."""
+    import torch.distributed as tdist
+
+    R = tdist.ReduceOp
+    gloo = tdist.new_group(backend="gloo")
+    folds = {R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor, R.SUM: torch.add,
+             R.MAX: torch.maximum}
+
+    def bits(r: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(500 * r + numel + salt)
+        if dtype is torch.bool:
+            return torch.randint(0, 2, (numel,), generator=g).bool()
+        info = torch.iinfo(dtype)
+        return torch.randint(max(info.min, -2**62), min(info.max, 2**62), (numel,), generator=g).to(dtype)
+
+    def fold(rows, op):
+        acc = rows[0].clone()
+        for row in rows[1:]:
+            acc = folds[op](acc, row)
+        return acc
+
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64):
+        for k, op in enumerate((R.BAND, R.BOR, R.BXOR)):
+            rows = [bits(r, 37, dtype, k) for r in range(size)]
+            t, theirs = rows[rank].clone(), rows[rank].clone()
+            tdist.all_reduce(t, op=op)
+            tdist.all_reduce(theirs, op=op, group=gloo)
+            assert torch.equal(t, fold(rows, op)), (dtype, op)
+            assert torch.equal(t.view(torch.uint8), theirs.view(torch.uint8)), (dtype, op, "not gloo's bits")
+            record(t)
+        passed(f"torch_bitwise/{dtype}")
+    counts = [2 + 3 * j for j in range(size)]  # rank j's chunk: 2 + 3j elements
+    for k, (dtype, op) in enumerate(((torch.float32, R.SUM), (torch.float32, R.MAX), (torch.int32, R.BXOR),
+                                     (torch.bool, R.BOR), (torch.int64, R.SUM))):
+        if dtype.is_floating_point:
+            lists = [[inputs(r * size + j, n, dtype, salt=60 + k).round() for j, n in enumerate(counts)]
+                     for r in range(size)]  # whole numbers: exact in any order of summation
+        else:
+            lists = [[bits(r * size + j, n, dtype, 60 + k) for j, n in enumerate(counts)] for r in range(size)]
+        out, theirs = torch.zeros(counts[rank], dtype=dtype), torch.zeros(counts[rank], dtype=dtype)
+        tdist.reduce_scatter(out, [c.clone() for c in lists[rank]], op=op)
+        tdist.reduce_scatter(theirs, [c.clone() for c in lists[rank]], op=op, group=gloo)
+        assert torch.equal(out, fold([lists[r][rank] for r in range(size)], op)), (dtype, op)
+        assert torch.equal(out.view(torch.uint8), theirs.view(torch.uint8)), (dtype, op, "not gloo's bits")
+    passed("torch_reduce_scatter_uneven")
+    expect_error(TypeError, lambda: tdist.all_reduce(torch.ones(3), op=R.BAND), "BAND of float32")
+    passed("torch_bitwise_refused")
+
+
 def expect_error(exc_type, fn, *words) -> None:
     try:
         fn()
@@ -258,6 +311,27 @@ def check_bad_input() -> None:
     passed("bad_input")
 
 
+def check_repeated_init() -> None:
+    """init_process_group() again: no arguments, or the group's own, change nothing; any other
+    argument raises on the calling rank, naming it, and the group keeps what it was made with."""
+    engine = groups.current().engine
+    timeout = engine.timeout
+    dist.init_process_group()
+    dist.init_process_group(dist.get_backend(), timeout=timedelta(seconds=timeout), rank=rank, world_size=size)
+    expect_error(ValueError, lambda: dist.init_process_group(timeout=timedelta(seconds=3)),
+                 "timeout=0:00:03", "destroy_process_group()")
+    expect_error(ValueError, lambda: dist.init_process_group(backend="local"), "backend='local'")
+    expect_error(ValueError, lambda: dist.init_process_group(rank=(rank + 1) % size), "rank=")
+    expect_error(ValueError, lambda: dist.init_process_group(world_size=size + 1), "world_size=")
+    expect_error(ValueError, lambda: dist.init_process_group(init_method="tcp://127.0.0.1:1"), "init_method=")
+    assert groups.current().engine is engine and engine.timeout == timeout, (engine.timeout, timeout)
+    stack = torch.stack([inputs(r, 9, torch.int64, salt=44) for r in range(size)])
+    t = stack[rank].clone()
+    dist.all_reduce(t)
+    assert torch.equal(t, stack.sum(0)), (t, stack.sum(0))
+    passed("repeated_init")
+
+
 if __name__ == "__main__":
     expected_backend = sys.argv[1] if len(sys.argv) > 1 else None
     assert dist.is_available()
@@ -272,7 +346,8 @@ if __name__ == "__main__":
     assert dist.get_local_rank() == int(lr), (dist.get_local_rank(), lr)
     passed("topology")
     for check in (check_all_reduce, check_non_contiguous, check_requires_grad, check_broadcast, check_all_gather,
-                  check_all_to_all, check_async, check_torch_interop, check_bad_input):
+                  check_all_to_all, check_async, check_torch_interop, check_torch_reductions, check_bad_input,
+                  check_repeated_init):
         check()
     print(f"DIGEST {rank} {digest.hexdigest()}", flush=True)
     dist.destroy_process_group()

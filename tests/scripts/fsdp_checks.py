@@ -114,8 +114,14 @@ def collectives() -> None:
             same(f"all_reduce {name} {dtype}", t, reduced(rows, op), rtol=1e-5)
     raises("all_reduce PREMUL_SUM is refused", smddp.InvalidArgumentError,
            lambda: tdist.all_reduce(torch.ones(2), op=tdist._make_nccl_premul_sum(2.0)))
-    raises("all_reduce BAND is refused", smddp.InvalidArgumentError,
-           lambda: tdist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.BAND))
+    raises("all_reduce BAND of floats is refused", smddp.InvalidTypeError,
+           lambda: tdist.all_reduce(torch.ones(2), op=R.BAND))
+    rows = stack((5,), torch.int64, salt=12)
+    t, want = rows[rank].clone(), rows[0].clone()
+    for row in rows[1:]:
+        want &= row
+    tdist.all_reduce(t, op=R.BAND)
+    same("all_reduce BAND int64", t, want)
 
     rows = stack((2, 3), salt=11)
     t = rows[rank].clone().t()  # not contiguous

@@ -24,6 +24,7 @@ import sys
 
 import fake_hosts  # noqa: F401 - first: it sets this host's variables before smddp is imported
 import torch
+import torch.distributed
 
 API = sys.argv[1]
 if API == "v1":
@@ -38,6 +39,8 @@ else:
 
     dist.init_process_group(backend="smddp")
     SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+# The bitwise reductions are torch.distributed's (smddp's v1 API has the reference's four).
+BAND, BOR = torch.distributed.ReduceOp.BAND, torch.distributed.ReduceOp.BOR
 
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 ODD = RANK == SIZE - 1  # the rank whose call differs
@@ -74,6 +77,7 @@ CASES = {
     "barrier_vs_all_reduce": lambda: dist.barrier() if ODD else dist.all_reduce(torch.ones(4)),
     "all_reduce_vs_broadcast": lambda: dist.broadcast(torch.ones(4), 0) if ODD else dist.all_reduce(torch.ones(4)),
     "sum_vs_max": lambda: dist.all_reduce(torch.ones(4), op=MAX if ODD else SUM),
+    "band_vs_bor": lambda: torch.distributed.all_reduce(torch.ones(4, dtype=torch.int32), op=BOR if ODD else BAND),
     "count_1m": lambda: dist.all_reduce(torch.ones(BIG + 1 if ODD else BIG)),
     "a2a_unpaired": a2a_unpaired,
     "switch_rank": lambda: dist.all_reduce(torch.ones(60_000 if ODD else 70_000)),

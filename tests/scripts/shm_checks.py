@@ -18,6 +18,10 @@ compiled core off on rank R alone (the ranks must then agree on the Python path)
 ``SHM_CHECKS_NO_CMA_ON_RANK=R`` the single-copy all-reduce (``SMDDP_SHM_CMA=0``).
 ``SINGLECOPY <rank> <threshold> <count>``: the plane's single-copy threshold (0: the host does not
 read its peers' memory) and how many all-reduces took that path.
+
+``checks`` also runs what torch's gloo group runs on the same inputs, over a gloo group of the
+same ranks, and requires the same bits: the bitwise reductions (and bool's others) and
+``reduce_scatter`` of chunks of different sizes, through ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import torch
 
 torch.set_num_threads(1)
 
+import torch.distributed as tdist  # noqa: E402
+
+import smddp  # noqa: E402
 import smddp.torch.distributed as dist  # noqa: E402
 from smddp.comm.algorithms import derived  # noqa: E402
 from smddp.comm.backends.shm_torch import ONE_SHOT_MAX  # noqa: E402
@@ -183,6 +190,118 @@ def check_reduce_scatter_tensor() -> None:
             want = expected(stack, Op.SUM, dtype)[rank * numel:(rank + 1) * numel]
             assert torch.equal(out, want), (dtype, numel)
             passed(f"reduce_scatter_tensor/{dtype}/{numel}")
+
+
+R = tdist.ReduceOp
+#: torch's reductions by smddp's Op, to compute what they give here (rank order).
+_FOLDS = {R.SUM: torch.add, R.MIN: torch.minimum, R.MAX: torch.maximum, R.PRODUCT: torch.mul,
+          R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}
+BITWISE = (R.BAND, R.BOR, R.BXOR)
+#: The dtypes of the bitwise reductions, as gloo has them (no int16).
+BITWISE_DTYPES = [d for d in (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64) if d in comm.dtypes]
+
+
+def bits(r: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """Seeded random bits over the whole range of ``dtype`` (0 and 1 for bool)."""
+    g = torch.Generator().manual_seed(7919 * r + 31 * numel + salt)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -2**62), min(info.max, 2**62), (numel,), generator=g).to(dtype)
+
+
+def folded(stack: torch.Tensor, op) -> torch.Tensor:
+    """``op`` of the rows of ``stack`` in rank order, as torch computes it (bool: SUM an or)."""
+    acc = stack[0].clone()
+    for row in stack[1:]:
+        acc = _FOLDS[op](acc, row)
+    return acc
+
+
+def same_as_gloo(t: torch.Tensor, want: torch.Tensor, gloo_result, what) -> None:
+    """``t`` equals ``want`` (computed here) and ``gloo_result`` (gloo's, None where gloo has no such
+    reduction), bit for bit."""
+    assert t.dtype == want.dtype, (what, t.dtype, want.dtype)
+    assert torch.equal(t, want), (what, (t != want).nonzero()[:5].flatten())
+    if gloo_result is not None:
+        assert torch.equal(t.view(-1).view(torch.uint8), gloo_result.view(-1).view(torch.uint8)), (what, "gloo's")
+
+
+def check_bitwise() -> None:
+    """BAND, BOR and BXOR of integers and bools, bool's other reductions, through torch.distributed:
+    the bits computed here and gloo's, at every size the plane cuts differently."""
+    for dtype in BITWISE_DTYPES:
+        ops = BITWISE + ((R.SUM, R.MIN, R.MAX, R.PRODUCT) if dtype is torch.bool else ())
+        for numel in SIZES:
+            for k, op in enumerate(ops):
+                stack = torch.stack([bits(r, numel, dtype, 11 + k) for r in range(size)])
+                t, theirs = stack[rank].clone(), stack[rank].clone()
+                tdist.all_reduce(t, op=op)
+                tdist.all_reduce(theirs, op=op, group=GLOO)
+                if op == R.SUM and dtype is torch.bool:
+                    # gloo adds bool's bytes (two Trues give the byte 2, 256 wrap to False); smddp, as
+                    # torch's NCCL group, gives a logical or: the same truth values while they do not wrap.
+                    theirs = theirs.view(torch.uint8).ne(0)
+                same_as_gloo(t, folded(stack, op), theirs, (dtype, numel, op))
+                digest.update(t.view(torch.uint8).numpy().tobytes())
+            passed(f"all_reduce-bitwise/{dtype}/{numel}")
+
+
+def refuses(words: str, call) -> None:
+    try:
+        call()
+    except smddp.InvalidTypeError as exc:
+        assert words in str(exc) and "object at" not in str(exc), exc
+    else:
+        raise AssertionError(f"{words} was not refused")
+
+
+def check_refused_reductions() -> None:
+    """What no plane reduces is refused by name before anything is sent; the ranks stay in step."""
+    refused = [(torch.float32, R.BAND, "BAND of float32"), (torch.float16, R.BOR, "BOR of float16"),
+               (torch.float64, R.BXOR, "BXOR of float64"), (torch.bool, R.AVG, "AVERAGE of bool")]
+    for dtype, op, words in refused:
+        ones = torch.ones(4, dtype=dtype)
+        refuses(words, lambda: tdist.all_reduce(ones, op=op))  # noqa: B023 - called at once
+        refuses(words, lambda: tdist.reduce_scatter(ones[:1], [ones[:1]] * size, op=op))  # noqa: B023
+        uneven = [ones[:r + 1] for r in range(size)]
+        refuses(words, lambda: tdist.reduce_scatter(uneven[rank], uneven, op=op))  # noqa: B023
+    t = torch.full((3,), rank + 1, dtype=torch.int64)
+    tdist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), size * (size + 1) // 2, dtype=torch.int64)), t
+    passed("refused-reductions")
+
+
+def check_reduce_scatter_uneven() -> None:
+    """reduce_scatter of a list whose chunks differ in size (gloo and torch's NCCL group take it):
+    every op of every dtype, the bits computed here and gloo's; chunks from empty to past a slot."""
+    arithmetic = {R.SUM: Op.SUM, R.AVG: Op.AVERAGE, R.MIN: Op.MIN, R.MAX: Op.MAX, R.PRODUCT: Op.PRODUCT}
+    every = [(dtype, tuple(arithmetic)) for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64,
+                                                      torch.int32, torch.uint8) if dtype in comm.dtypes]
+    every += [(dtype, BITWISE) for dtype in BITWISE_DTYPES]
+    # Large chunks (past a slot, and the hierarchical plane's threshold): fewer cases, the same paths.
+    large = [(torch.float32, (R.SUM, R.AVG, R.MAX)), (torch.bfloat16, (R.SUM,)), (torch.int64, (R.BXOR, R.MIN)),
+             (torch.bool, (R.BOR,))]
+    chunkings = [([3 + 4 * j for j in range(size)], every), ([1] + [0] * (size - 1), every),
+                 ([70_001 - 9_000 * j if j % 2 else 5 + j for j in range(size)], large)]
+    for counts, cases in chunkings:
+        for dtype, ops in cases:
+            for k, op in enumerate(ops):
+                if op in BITWISE:
+                    lists = [[bits(r * size + j, n, dtype, 40 + k) for j, n in enumerate(counts)] for r in range(size)]
+                else:
+                    lists = [[values(r * size + j, n, dtype, 40 + k, arithmetic[op]) for j, n in enumerate(counts)]
+                             for r in range(size)]
+                stack = torch.stack([lists[r][rank] for r in range(size)])
+                want = folded(stack, op) if op in BITWISE else expected(stack, arithmetic[op], dtype)
+                out = torch.full((counts[rank],), 77, dtype=dtype)
+                tdist.reduce_scatter(out, [c.clone() for c in lists[rank]], op=op)
+                theirs = None
+                if op != R.AVG:  # gloo has no AVG of integers
+                    theirs = torch.full((counts[rank],), 77, dtype=dtype)
+                    tdist.reduce_scatter(theirs, [c.clone() for c in lists[rank]], op=op, group=GLOO)
+                same_as_gloo(out, want, theirs, ("reduce_scatter uneven", counts, dtype, op))
+            passed(f"reduce_scatter-uneven/{counts}/{dtype}")
 
 
 def check_gather_broadcast() -> None:
@@ -349,7 +468,11 @@ elif MODE == "switch":
     dist.destroy_process_group()
     print(f"PASSED {rank} {checks}", flush=True)
 else:
+    GLOO = tdist.new_group(backend="gloo")  # the reference: torch's gloo group of the same ranks
     check_all_reduce()
+    check_bitwise()
+    check_refused_reductions()
+    check_reduce_scatter_uneven()
     check_random_bits()
     check_gather_broadcast()
     check_edges()

@@ -14,7 +14,12 @@ by a local step on completion:
   the root.
 - list forms (``all_to_all`` of lists, ``reduce_scatter`` of a list) pack into one flat
   buffer; the coalesced forms start one collective per tensor, and the last one's handle
-  stands for them all (the engine completes them in issue order).
+  stands for them all (the engine completes them in issue order). A ``reduce_scatter`` list
+  of chunks of different sizes (torch's gloo and NCCL groups take them) is reduced by whoever
+  reduces the even ones: where the library reduces (MPI, NCCL, the shared-memory plane's
+  core), an ``all_reduce`` of the packed list, then this rank's chunk (torch's NCCL group
+  reduces each chunk with the library too, one ``reduce`` each); elsewhere (gloo), as
+  ``reduce_scatter_tensor`` there, an ``all_to_all_single`` and a reduction in rank order.
 - ``send`` / ``recv``: the communicator's own point-to-point, where it has one. They involve
   two ranks, so they take no sequence number: the collectives' numbering stays in step.
 """
@@ -36,8 +41,9 @@ def _check(engine: Engine, *fields):
     return fields if engine.debugging else None
 
 
-def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check, inputs, result) -> Handle:
-    return engine.run(op_name, start, True, check, (), inputs, result)
+def _start(engine: Engine, op_name: str, start: Callable[[int], Pending], check, inputs, result,
+           async_op: bool = True) -> Optional[Handle]:
+    return engine.run(op_name, start, async_op, check, (), inputs, result)
 
 
 def _root_checks(engine: Engine, op_name: str, checks: Callable[[], None]) -> None:
@@ -59,11 +65,12 @@ def _root_checks(engine: Engine, op_name: str, checks: Callable[[], None]) -> No
 
 # ---------------------------------------------------------------------------- reductions
 def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Tensor, op: Op,
-                          result: Optional[Sequence] = None) -> Handle:
+                          result: Optional[Sequence] = None, async_op: bool = True) -> Optional[Handle]:
     """Reduce ``input`` (``size * output.numel()`` elements) over ranks; rank ``r`` gets slice ``r``.
 
     The communicator's own ``reduce_scatter`` where it has one (MPI, NCCL, the shm plane); otherwise
-    ``all_to_all_single`` and a local reduction in rank order.
+    ``all_to_all_single`` and a local reduction in rank order. ``async_op`` False: wait here, return
+    None (the engine's synchronous path, as a synchronous ``all_reduce`` takes).
 
     Raises:
         InvalidArgumentError: the sizes do not match.
@@ -85,9 +92,10 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             return then(comm.reduce_scatter(buf.flatten(), src, op, seq), after, src, buf)
 
         check = _check(engine, "reduce_scatter", op, src)
-        return _start(engine, "reduce_scatter_tensor", native, check, inputs, result)
+        return _start(engine, "reduce_scatter_tensor", native, check, inputs, result, async_op)
     if not output.is_contiguous():
         check_writable(output, "reduce_scatter_tensor", "output")
+    comm.check_reduction(src.dtype, op, "reduce_scatter_tensor")  # reduced here, by reduce_rows
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
     counts = [n] * engine.size
 
@@ -96,19 +104,61 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
         return then(pending, lambda: reduce_rows(rows, op, output), src, rows)
 
     check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
-    return _start(engine, "reduce_scatter_tensor", start, check, inputs, result)
+    return _start(engine, "reduce_scatter_tensor", start, check, inputs, result, async_op)
 
 
-def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op) -> Handle:
+def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op,
+                   async_op: bool = True) -> Optional[Handle]:
     """Reduce the lists over ranks; rank ``r`` gets the reduction of every rank's ``input_list[r]``.
 
+    The chunks may differ in size, as torch's gloo and NCCL groups allow: ``input_list[r]`` has,
+    on every rank, as many elements as rank ``r``'s ``output``. Equal chunks are a
+    :func:`reduce_scatter_tensor`; uneven ones are reduced by whoever reduces those (see the
+    module's docstring). ``async_op`` False: wait here, return None.
+
     Raises:
-        InvalidArgumentError: not one input per rank, or sizes that differ from ``output``'s.
+        InvalidArgumentError: not one input per rank, or ``input_list[rank]`` and ``output`` of
+            different sizes.
+        InvalidTypeError: a reduction the dtype has not (a bitwise op of floats, ...).
     """
     inputs = _tensor_list(input_list, "input_list")
-    engine.checks.per_rank(inputs, output, "reduce_scatter", "input_list", "output")
-    engine.checks.comm_for(output, *inputs)
-    return reduce_scatter_tensor(engine, output, torch.cat([flat(t) for t in inputs]), op, (output,))
+    if len(inputs) != engine.size:
+        raise InvalidArgumentError(
+            f"reduce_scatter: input_list has {len(inputs)} tensors; it needs one per rank ({engine.size})")
+    mine = inputs[engine.rank]
+    if mine.numel() != output.numel():
+        raise InvalidArgumentError(
+            f"reduce_scatter: input_list[{engine.rank}] (this rank's chunk) has shape {tuple(mine.shape)}, the "
+            f"output has shape {tuple(output.shape)}: they must have the same number of elements")
+    comm = engine.checks.comm_for(output, *inputs)
+    counts = [t.numel() for t in inputs]
+    packed = torch.cat([flat(t) for t in inputs])
+    if counts.count(counts[0]) == len(counts):
+        return reduce_scatter_tensor(engine, output, packed, op, (output,), async_op)
+    if not output.is_contiguous():
+        check_writable(output, "reduce_scatter", "output")
+    n = output.numel()
+    if comm.native_reduce_scatter:  # the library reduces: all of it, then this rank's chunk
+        first = sum(counts[:engine.rank])
+
+        def copy_out() -> None:
+            output.detach().copy_(packed[first:first + n].view(output.shape))
+
+        def reduce_all(seq: int) -> Pending:
+            return then(comm.all_reduce(packed, op, seq), copy_out, packed)
+
+        return _start(engine, "reduce_scatter", reduce_all, _check(engine, "all_reduce", op, packed), inputs,
+                      (output,), async_op)
+    comm.check_reduction(packed.dtype, op, "reduce_scatter")  # reduced here, by reduce_rows
+    rows = torch.empty((engine.size, n), dtype=packed.dtype, device=packed.device)
+    receive = [n] * engine.size
+
+    def start(seq: int) -> Pending:
+        pending = comm.all_to_all_single(rows.view(-1), packed, receive, counts, seq)
+        return then(pending, lambda: reduce_rows(rows, op, output), packed, rows)
+
+    check = _check(engine, "all_to_all_single", None, packed, None, False, (counts, receive))
+    return _start(engine, "reduce_scatter", start, check, inputs, (output,), async_op)
 
 
 def reduce(engine: Engine, tensor: torch.Tensor, op: Op) -> Handle:

@@ -3,9 +3,20 @@
 #ifndef SMDDP_SHM_FOLD_H
 #define SMDDP_SHM_FOLD_H
 
-enum { T_F32, T_F64, T_F16, T_BF16, T_I8, T_U8, T_I16, T_I32, T_I64, T_COUNT };
-enum { R_SUM, R_AVG, R_MIN, R_MAX, R_PROD, R_COUNT };
-static const int ELEMENT_SIZE[T_COUNT] = {4, 8, 2, 2, 1, 1, 2, 4, 8};
+/* The codes are the fingerprint's (smddp.comm.fingerprint: DTYPES, OPS, in smddp.comm.base.Op's
+ * order). bool is reduced as its bytes, 0 and 1 (see fold). */
+enum { T_F32, T_F64, T_F16, T_BF16, T_I8, T_U8, T_I16, T_I32, T_I64, T_BOOLEAN, T_COUNT };
+enum { R_SUM, R_AVG, R_MIN, R_MAX, R_PROD, R_BAND, R_BOR, R_BXOR, R_COUNT };
+static const int ELEMENT_SIZE[T_COUNT] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1};
+
+/* Whether tensors of ``dtype`` have reduction ``op`` (gloo's rules, as smddp.comm.base's
+ * check_reduction): the bitwise ops are for integers and bool, AVERAGE is not for bool. */
+static int reducible(int dtype, int op) {
+    int floating = dtype == T_F32 || dtype == T_F64 || dtype == T_F16 || dtype == T_BF16;
+    if (op == R_BAND || op == R_BOR || op == R_BXOR)
+        return !floating;
+    return !(op == R_AVG && dtype == T_BOOLEAN);
+}
 
 /* ------------------------------------------------------------------ half precision
  * Conversions in integer arithmetic, exact as torch's (c10::Half, c10::BFloat16): round to
@@ -91,7 +102,15 @@ static inline uint16_t f32_to_f16(float f) {
 #define FDIV(T, a, d) ((T)((a) / (T)(d)))
 #define IDIV(T, a, d) ((T)((long long)(a) / (long long)(d)))
 
-#define FOLD_DIRECT(T, U, MINF, MAXF, DIV)                                                    \
+/* The bitwise ops' loops, dst[i] = a[i] op b[i], in the unsigned type: for the integer folds
+ * (BITS_OF); the floating-point ones have none (NO_BITS: reducible() refuses them). */
+#define BITS_OF(T, U, dst, a, b)                                                              \
+    else if (op == R_BAND) for (i = 0; i < len; i++) dst[i] = (T)((U)a[i] & (U)b[i]);         \
+    else if (op == R_BOR) for (i = 0; i < len; i++) dst[i] = (T)((U)a[i] | (U)b[i]);          \
+    else if (op == R_BXOR) for (i = 0; i < len; i++) dst[i] = (T)((U)a[i] ^ (U)b[i]);
+#define NO_BITS(T, U, dst, a, b)
+
+#define FOLD_DIRECT(T, U, MINF, MAXF, DIV, BITS)                                              \
     FOLD_CLONES static void fold_##T(T *out, T *out2, T *const *parts, int nparts, Py_ssize_t n,      \
                          int op, int divisor) {                                            \
         T acc[FOLD_BLOCK];                                                                 \
@@ -110,6 +129,7 @@ static inline uint16_t f32_to_f16(float f) {
                     for (i = 0; i < len; i++) acc[i] = MINF(p0[i], p1[i]);                 \
                 else if (op == R_MAX)                                                      \
                     for (i = 0; i < len; i++) acc[i] = MAXF(p0[i], p1[i]);                 \
+                BITS(T, U, acc, p0, p1)                                                    \
                 else                                                                       \
                     for (i = 0; i < len; i++) acc[i] = (T)((U)p0[i] * (U)p1[i]);           \
             }                                                                              \
@@ -121,6 +141,7 @@ static inline uint16_t f32_to_f16(float f) {
                     for (i = 0; i < len; i++) acc[i] = MINF(acc[i], p[i]);                 \
                 else if (op == R_MAX)                                                      \
                     for (i = 0; i < len; i++) acc[i] = MAXF(acc[i], p[i]);                 \
+                BITS(T, U, acc, acc, p)                                                    \
                 else                                                                       \
                     for (i = 0; i < len; i++) acc[i] = (T)((U)acc[i] * (U)p[i]);           \
             }                                                                              \
@@ -132,13 +153,13 @@ static inline uint16_t f32_to_f16(float f) {
     }
 
 /* Integer sums and products wrap, as torch's do: computed in the unsigned type. */
-FOLD_DIRECT(float, float, MIN_OF, MAX_OF, FDIV)
-FOLD_DIRECT(double, double, MIN_OF, MAX_OF, FDIV)
-FOLD_DIRECT(int8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV)
-FOLD_DIRECT(uint8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV)
-FOLD_DIRECT(int16_t, uint16_t, IMIN_OF, IMAX_OF, IDIV)
-FOLD_DIRECT(int32_t, uint32_t, IMIN_OF, IMAX_OF, IDIV)
-FOLD_DIRECT(int64_t, uint64_t, IMIN_OF, IMAX_OF, IDIV)
+FOLD_DIRECT(float, float, MIN_OF, MAX_OF, FDIV, NO_BITS)
+FOLD_DIRECT(double, double, MIN_OF, MAX_OF, FDIV, NO_BITS)
+FOLD_DIRECT(int8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV, BITS_OF)
+FOLD_DIRECT(uint8_t, uint8_t, IMIN_OF, IMAX_OF, IDIV, BITS_OF)
+FOLD_DIRECT(int16_t, uint16_t, IMIN_OF, IMAX_OF, IDIV, BITS_OF)
+FOLD_DIRECT(int32_t, uint32_t, IMIN_OF, IMAX_OF, IDIV, BITS_OF)
+FOLD_DIRECT(int64_t, uint64_t, IMIN_OF, IMAX_OF, IDIV, BITS_OF)
 
 /* Half types: a block at a time in float32, rounded once. One function per type, the
  * conversions inside the folds' loops (no branch per element, no pass of their own), so the
@@ -187,6 +208,13 @@ FOLD_DIRECT(int64_t, uint64_t, IMIN_OF, IMAX_OF, IDIV)
 FOLD_HALF(fold_bf16, bf16_to_f32, f32_to_bf16)
 FOLD_HALF(fold_f16, f16_to_f32, f32_to_f16)
 
+/* bool folds as its bytes, 0 and 1 (uint8): SUM and PRODUCT as MAX and MIN, a logical or and a
+ * logical and (torch's and gloo's bool arithmetic: no 1 + 1 = 2); the other ops act on 0 and 1 as
+ * logic does. */
+static int bool_op(int op) {
+    return op == R_SUM ? R_MAX : op == R_PROD ? R_MIN : op;
+}
+
 static void fold(int dtype, char *out, char *out2, char *const *parts, int nparts, Py_ssize_t n, int op,
                  int divisor) {
     switch (dtype) {
@@ -198,6 +226,9 @@ static void fold(int dtype, char *out, char *out2, char *const *parts, int npart
     case T_U8: fold_uint8_t((uint8_t *)out, (uint8_t *)out2, (uint8_t *const *)parts, nparts, n, op, divisor); break;
     case T_I16: fold_int16_t((int16_t *)out, (int16_t *)out2, (int16_t *const *)parts, nparts, n, op, divisor); break;
     case T_I32: fold_int32_t((int32_t *)out, (int32_t *)out2, (int32_t *const *)parts, nparts, n, op, divisor); break;
+    case T_BOOLEAN:
+        fold_uint8_t((uint8_t *)out, (uint8_t *)out2, (uint8_t *const *)parts, nparts, n, bool_op(op), divisor);
+        break;
     default: fold_int64_t((int64_t *)out, (int64_t *)out2, (int64_t *const *)parts, nparts, n, op, divisor); break;
     }
 }

@@ -95,6 +95,10 @@ static int check_dtype_op(int dtype, int op) {
         PyErr_Format(PyExc_ValueError, "op code %d is not a reduction", op);
         return -1;
     }
+    if (!reducible(dtype, op)) { /* shm.py words it as every plane does (smddp.comm.base.check_reduction) */
+        PyErr_Format(PyExc_ValueError, "dtype code %d has no reduction of op code %d", dtype, op);
+        return -1;
+    }
     return 0;
 }
 

@@ -32,7 +32,17 @@ import torch.distributed as tdist
 from smddp import _sockets
 from smddp.comm import checked
 from smddp.comm.backends.gloo_group import gloo_group
-from smddp.comm.base import Communicator, Context, Op, Pending, average, reduce_rows, widened
+from smddp.comm.base import (
+    Communicator,
+    Context,
+    Op,
+    Pending,
+    average,
+    bool_as_bytes,
+    check_reduction,
+    reduce_rows,
+    widened,
+)
 from smddp.comm.checked import as_bytes, rows_of
 from smddp.comm.fingerprint import Print, signature
 from smddp.errors import BackendUnavailableError
@@ -47,6 +57,9 @@ _GLOO_OPS = {
     Op.MIN: tdist.ReduceOp.MIN,
     Op.MAX: tdist.ReduceOp.MAX,
     Op.PRODUCT: tdist.ReduceOp.PRODUCT,
+    Op.BAND: tdist.ReduceOp.BAND,
+    Op.BOR: tdist.ReduceOp.BOR,
+    Op.BXOR: tdist.ReduceOp.BXOR,
 }
 
 
@@ -125,6 +138,7 @@ class GlooCommunicator(Communicator):
 
     name = "gloo"
     device_types = ("cpu",)
+    dtypes = Communicator.dtypes | {torch.bool}
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -157,20 +171,23 @@ class GlooCommunicator(Communicator):
         return self.checker.start(fp, small=_nothing)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        check_reduction(tensor.dtype, op)  # gloo itself would refuse it only after the exchange below
         fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))
         if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
             return self.checker.start(fp, as_bytes(tensor), lambda rows: reduce_rows(rows_of(rows, tensor), op, tensor))
 
         def large() -> Pending:
-            work = widened(tensor)
+            # bool as its bytes: gloo's own bool SUM adds them (two Trues make the byte 2, 256 wrap to False)
+            wire, wire_op = bool_as_bytes(tensor, op)
+            work = widened(wire)
             opts = tdist.AllreduceOptions()
-            opts.reduceOp = _GLOO_OPS[op]
+            opts.reduceOp = _GLOO_OPS[wire_op]
 
             def after() -> None:
                 if op is Op.AVERAGE:
                     average(work, self.size)
-                if work is not tensor:
-                    tensor.copy_(work)
+                if work is not wire:
+                    wire.copy_(work)
 
             return _Work(self.pg.allreduce([work], opts), after)
 

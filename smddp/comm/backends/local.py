@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Op, Pending
+from smddp.comm.base import DONE, Communicator, Op, Pending, check_reduction
 
 
 class LocalCommunicator(Communicator):
@@ -21,6 +21,7 @@ class LocalCommunicator(Communicator):
     dtypes = Communicator.dtypes | {torch.int16, torch.bool, torch.complex64, torch.complex128}
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        check_reduction(tensor.dtype, op)  # refused as on any plane of more ranks
         return DONE
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:

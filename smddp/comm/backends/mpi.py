@@ -31,7 +31,18 @@ import torch
 
 from smddp import _excepthook, _mca, knobs
 from smddp.comm import checked
-from smddp.comm.base import Communicator, Context, Op, Pending, average, combine, reduce_rows, widened
+from smddp.comm.base import (
+    Communicator,
+    Context,
+    Op,
+    Pending,
+    average,
+    bool_as_bytes,
+    check_reduction,
+    combine,
+    reduce_rows,
+    widened,
+)
 from smddp.comm.checked import as_bytes, rows_of
 from smddp.comm.fingerprint import Print, signature
 from smddp.comm.needs import MPI_INSTALL
@@ -55,7 +66,8 @@ RING_MIN_BYTES = knobs.value("SMDDP_MPI_RING_MIN_BYTES")
 #: slower on a 2-core machine).
 LARGE_ALLREDUCE = knobs.value("SMDDP_MPI_LARGE_ALLREDUCE")
 
-_MPI_OPS = {Op.SUM: MPI.SUM, Op.AVERAGE: MPI.SUM, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX, Op.PRODUCT: MPI.PROD}
+_MPI_OPS = {Op.SUM: MPI.SUM, Op.AVERAGE: MPI.SUM, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX, Op.PRODUCT: MPI.PROD,
+            Op.BAND: MPI.BAND, Op.BOR: MPI.BOR, Op.BXOR: MPI.BXOR}
 
 _MPI_TYPES = {
     torch.float32: MPI.FLOAT,
@@ -67,7 +79,8 @@ _MPI_TYPES = {
     torch.int64: MPI.INT64_T,
 }
 # float16 and bfloat16 are reduced in float32 (comm.base.HALF): no MPI half type is needed,
-# so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too.
+# so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too. bool is reduced as its bytes
+# (comm.base.bool_as_bytes): MPI's C_BOOL has no MIN, MAX or bitwise ops.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
 #: Bytes of data that ride in a checked collective's row (an all-reduce this small takes no
@@ -169,7 +182,7 @@ class MPICommunicator(Communicator):
     name = "mpi"
     device_types = ("cpu",)
     progresses_in_caller = True
-    dtypes = frozenset(_MPI_TYPES) | {torch.bfloat16, torch.float16}
+    dtypes = frozenset(_MPI_TYPES) | {torch.bfloat16, torch.float16, torch.bool}
 
     def __init__(self, ctx: Context, base=None):
         """Join ``base`` (default ``MPI_COMM_WORLD``); a subgroup passes its own communicator."""
@@ -241,6 +254,7 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        check_reduction(tensor.dtype, op)
         if self.check_all_reduce:
             return self._checked_all_reduce(tensor, op, tag)
         nbytes = tensor.numel() * tensor.element_size()
@@ -249,6 +263,7 @@ class MPICommunicator(Communicator):
         return _Requests(self._all_reduce(tensor, op, tag))
 
     def _all_reduce_offloaded(self, tensor: torch.Tensor, op: Op) -> Pending:
+        tensor, op = bool_as_bytes(tensor, op)
         work = widened(tensor)
 
         def after() -> None:
@@ -297,6 +312,7 @@ class MPICommunicator(Communicator):
 
     def _all_reduce(self, tensor: torch.Tensor, op: Op, tag: int, comm=None):
         comm = self.comm if comm is None else comm
+        tensor, op = bool_as_bytes(tensor, op)
         work = widened(tensor)
         if self.size > 1:
             nbytes = work.numel() * work.element_size()
@@ -329,9 +345,12 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
+        check_reduction(input.dtype, op, "reduce_scatter")
         return _Requests(self._reduce_scatter(output, input, op))
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op):
+        output, _ = bool_as_bytes(output, op)
+        input, op = bool_as_bytes(input, op)
         src, out = widened(input), widened(output)
         if self.size > 1:
             datatype = _MPI_TYPES[out.dtype]

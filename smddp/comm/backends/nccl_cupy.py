@@ -1,5 +1,6 @@
-"""CuPy's NCCL module (``cupy.cuda.nccl``): loading it, its data type and operation codes, and
-the dtypes NCCL has no type for, sent as torch's NCCL group sends them (:func:`on_the_wire`)."""
+"""CuPy's NCCL module (``cupy.cuda.nccl``): loading it, its data type and operation codes, the
+reductions it has not (:func:`check_op`), and the dtypes NCCL has no type for, sent as torch's
+NCCL group sends them (:func:`on_the_wire`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from smddp.comm.backends.devices import CUDA_INSTALL
-from smddp.comm.base import Op
+from smddp.comm.base import BITWISE, Op
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 
 #: NCCL's ``ncclDataType_t`` values (nccl.h), used where CuPy lacks the constant
@@ -32,6 +33,20 @@ _OP_CODES: Dict[Op, Tuple[str, int]] = {
     Op.MIN: ("NCCL_MIN", 3),
     Op.AVERAGE: ("NCCL_AVG", 4),
 }
+
+def check_op(op: Optional[Op], what: str = "collective") -> None:
+    """Refuse a reduction NCCL has not, by name, before anything is sent: the bitwise ones
+    (``BAND``, ``BOR``, ``BXOR``), as torch's NCCL group refuses them (a ValueError).
+
+    Raises:
+        InvalidArgumentError: ``op`` is a bitwise reduction.
+    """
+    if op in BITWISE:
+        raise InvalidArgumentError(
+            f"{what}: {op.name} is refused on NCCL, as by torch's NCCL group: NCCL has no bitwise reductions "
+            f"(it has SUM, AVG, MIN, MAX and PRODUCT); reduce such tensors as CPU tensors, which the CPU plane "
+            f"serves with BAND, BOR and BXOR")
+
 
 #: ``nccl.get_version()`` of NCCL 2.10, which added ``ncclAvg`` and ``ncclBfloat16``
 #: (the code is major * 10000 + minor * 100 + patch since 2.9).
@@ -69,8 +84,10 @@ def on_the_wire(tensor: torch.Tensor, op: Optional[Op] = None, what: str = "coll
 
     Raises:
         InvalidTypeError: AVERAGE on bool, or a reduction of float8 (a TypeError, as torch's).
-        InvalidArgumentError: MIN, MAX or PRODUCT of complex numbers (a ValueError, as torch's).
+        InvalidArgumentError: MIN, MAX or PRODUCT of complex numbers, or a bitwise reduction of any
+            dtype (:func:`check_op`; a ValueError, as torch's).
     """
+    check_op(op, what)
     dtype = tensor.dtype
     if dtype not in CONVERTED:
         return tensor, op

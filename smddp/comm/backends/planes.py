@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Set, Tuple
 import torch
 
 from smddp.comm.backends.shm import Plane
-from smddp.comm.base import Communicator, Context, Op, Pending
+from smddp.comm.base import Communicator, Context, Op, Pending, check_reduction
 from smddp.comm.fingerprint import signature
 
 
@@ -154,6 +154,7 @@ class HierarchicalCommunicator(_Composed):
             self._used("all_reduce", self.flat.name)
             return self.flat.all_reduce(tensor, op, tag)  # checked: its first exchange has the fingerprint
         self._used("all_reduce", "hierarchical")
+        check_reduction(tensor.dtype, op)  # before the exchange below goes out
         # The same fingerprint in the same exchange: a rank on the flat path meets it there.
         agreed = self.flat.agree((tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op)))
         return self._shm.all_reduce_across(tensor, op, self.across, self.size, tag, agreed)

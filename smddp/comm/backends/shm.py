@@ -20,7 +20,10 @@ buffers. No trailing barrier: the epoch words order everything.
   same on every rank; the hierarchical plane's all-reduce cuts the same slices between hosts
   in both implementations (:attr:`Plane.part_bytes`), so a host on the Python path and one
   with the compiled core run one job.
-- float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does.
+- float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does; bool
+  is reduced as its bytes (SUM an or, PRODUCT an and, as torch's and gloo's bool arithmetic);
+  the bitwise ops reduce integers and bool, and a reduction a dtype has not is refused before
+  any step (:func:`~smddp.comm.base.check_reduction`).
 - Operations run one at a time in issue order (a later operation waits for the earlier
   ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
   engine's deadline, its progress thread and its timeouts apply as they do to MPI.
@@ -67,7 +70,7 @@ from smddp import knobs
 from smddp.comm import fingerprint
 from smddp.comm.backends.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
 from smddp.comm.backends.shm_torch import Counters, TorchOps, _Wait
-from smddp.comm.base import DONE, HALF, Op, Pending
+from smddp.comm.base import DONE, HALF, Op, Pending, check_reduction
 from smddp.comm.fingerprint import mismatch_error, unpaired_error
 from smddp.errors import CollectiveMismatchError, CollectiveTimeout
 
@@ -87,8 +90,8 @@ NATIVE_ONE_SHOT_MAX = knobs.value("SMDDP_SHM_ONE_SHOT_MAX")
 SPIN_NS = int(knobs.value("SMDDP_SHM_SPIN_US") * 1000)
 _START_WAIT_NS = 20_000  # how long starting an operation waits on the peers before returning
 _TEST_WAIT_NS = 200_000  # ... and each test() (the engine's lock is held meanwhile)
-# The compiled core's codes are the fingerprint's: its nine dtypes come first in the table.
-_DTYPE_CODES = {dtype: i for i, dtype in enumerate(fingerprint.DTYPES[:9])}
+# The compiled core's codes are the fingerprint's: its ten dtypes (bool the last) come first in the table.
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(fingerprint.DTYPES[:10])}
 _OP_CODES = {op: i for i, op in enumerate(fingerprint.OPS)}
 _WORD = 64  # bytes between two ranks' epoch words: one cache line each
 #: Ranks per host the segment's header has epoch words for (one cache line each).
@@ -176,9 +179,15 @@ class Plane(TorchOps):
         """
         code = self._codes.get(tensor.dtype)
         if code is None:
+            check_reduction(tensor.dtype, op)
             return self.start(self._all_reduce_gen(tensor, op, tag))
-        return self._run(self._seg.all_reduce(
-            tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], self.chunk_bytes, self.one_shot_max, tag), tensor)
+        try:
+            native_op = self._seg.all_reduce(
+                tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], self.chunk_bytes, self.one_shot_max, tag)
+        except ValueError:
+            check_reduction(tensor.dtype, op)  # the core has no such reduction of the dtype: say so in words
+            raise
+        return self._run(native_op, tensor)
 
     def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int,
                           agreed: Optional[Pending] = None) -> Pending:
@@ -224,6 +233,7 @@ class Plane(TorchOps):
 
         ``tag``, here and below: the collective's sequence number, part of its fingerprint.
         """
+        check_reduction(input.dtype, op, "reduce_scatter")
         code = self._codes.get(input.dtype)
         if code is None:
             return self.start(self._reduce_scatter_gen(output, input, op, tag))

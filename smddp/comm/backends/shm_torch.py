@@ -29,6 +29,12 @@ ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
+#: The first fold of two parts, into the output (:func:`~smddp.comm.base.combine` folds the rest).
+#: bool folds as torch's bool arithmetic does: SUM an or, PRODUCT an and (the compiled core's bits).
+_PAIRWISE = {Op.SUM: torch.add, Op.AVERAGE: torch.add, Op.MIN: torch.minimum, Op.MAX: torch.maximum,
+             Op.PRODUCT: torch.mul, Op.BAND: torch.bitwise_and, Op.BOR: torch.bitwise_or,
+             Op.BXOR: torch.bitwise_xor}
+
 #: int64 index, in a rank's header line, of its fingerprint of even steps (odd: the next two).
 #: The line holds, before it, the epoch word, the pid and the compiled core's sleeper count.
 FP_WORD = 4
@@ -149,14 +155,7 @@ class TorchOps:
                 combine(acc, part, op)
         else:
             acc = out
-            if op in (Op.SUM, Op.AVERAGE):
-                torch.add(parts[0], parts[1], out=acc)
-            elif op is Op.MIN:
-                torch.minimum(parts[0], parts[1], out=acc)
-            elif op is Op.MAX:
-                torch.maximum(parts[0], parts[1], out=acc)
-            else:
-                torch.mul(parts[0], parts[1], out=acc)
+            _PAIRWISE[op](parts[0], parts[1], out=acc)
             for part in parts[2:]:
                 combine(acc, part, op)
         if scale and op is Op.AVERAGE:

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (
 )
 
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.nccl_cupy import CONVERTED
+from smddp.comm.backends.nccl_cupy import CONVERTED, check_op
 from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError
@@ -40,6 +40,9 @@ _REDUCE_OPS = {
     Op.MIN: tdist.ReduceOp.MIN,
     Op.MAX: tdist.ReduceOp.MAX,
     Op.PRODUCT: tdist.ReduceOp.PRODUCT,
+    Op.BAND: tdist.ReduceOp.BAND,
+    Op.BOR: tdist.ReduceOp.BOR,
+    Op.BXOR: tdist.ReduceOp.BXOR,
 }
 
 class WorkPending(Pending):
@@ -59,6 +62,11 @@ class WorkPending(Pending):
         self._work, self._stream_ordered, self._after = work, stream_ordered, after
         # A stream-ordered Work orders the caller's current stream on every wait().
         self._ordering = work if stream_ordered else None
+        if stream_ordered and work is not None and torch.cuda.is_current_stream_capturing():
+            # Captured in a CUDA graph: ordered on the capturing stream now, in the capturing
+            # thread; no other thread may touch it (the engine's progress thread tests this).
+            self.test()
+            self._ordering = None
 
     def test(self) -> bool:
         if self._work is None:
@@ -134,6 +142,7 @@ class TorchBackendCommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         self._check(tensor)
+        self.check_reduction(tensor.dtype, op)
         opts = AllreduceOptions()
         divide = op is Op.AVERAGE and not self.native_average
         opts.reduceOp = _REDUCE_OPS[Op.SUM if divide else op]
@@ -210,6 +219,11 @@ class TorchNCCLCommunicator(TorchBackendCommunicator):
     def build(cls, ctx: Context) -> Dict[str, Communicator]:
         """This communicator for CUDA tensors and a CPU communicator for CPU ones."""
         return with_cpu_companion("cuda", cls, ctx)
+
+    def check_reduction(self, dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
+        """NCCL's refusals by name (the bitwise reductions), not torch's ValueError from the call."""
+        check_op(op, what)
+        super().check_reduction(dtype, op, what)
 
     def _pick_device(self, ctx: Context) -> torch.device:
         if not torch.cuda.is_available():

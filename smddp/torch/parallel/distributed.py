@@ -235,6 +235,7 @@ class _HookState:
         self.scale = 1.0
 
 
+@_compat.opaque_to_dynamo  # torch's reducer calls it, in a compiled step's backward too
 def _allreduce_hook(state: _HookState, bucket) -> torch.futures.Future:
     """smddp's hook (:func:`._hook.allreduce_hook`), dividing by the ranks not yet joined where asked.
 
