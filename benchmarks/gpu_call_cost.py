@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as tdist
 
 import smddp.torch.distributed as dist
 from smddp.torch import groups
@@ -79,9 +80,20 @@ def main(argv=None) -> None:
     per_call("lane.calling", calling)
     per_call("comm.check_async_error", lambda: lane.comm.check_async_error())
     per_call("comm.check()", comm.check)
+    per_call("lane.streams.current()", lane.streams.current)
+    per_call("lane.streams.capturing()", lane.streams.capturing)
+    per_call("watch.event()+record(current)", lambda: comm._watch.event().record(current))
     per_call("cupy allReduce 256 on side", lambda: lane.comm.allReduce(ptr, ptr, 256, 7, 0, side.cuda_stream), 5000)
-    per_call("smddp all_reduce 256", lambda: dist.all_reduce(t), 5000)
-    per_call("smddp all_reduce async+wait", async_wait, 5000)
+    per_call("smddp all_reduce 256 (v1)", lambda: dist.all_reduce(t), 5000)
+    per_call("smddp all_reduce async+wait (v1)", async_wait, 5000)
+    per_call("torch.distributed.all_reduce 256", lambda: tdist.all_reduce(t), 5000)
+    per_call("torch.distributed async+wait", lambda: tdist.all_reduce(t, async_op=True).wait(), 5000)
+    group = tdist.new_group(backend="nccl")
+    tdist.all_reduce(t, group=group)
+    torch.cuda.synchronize()
+    per_call("torch's NCCL group all_reduce 256", lambda: tdist.all_reduce(t, group=group), 5000)
+    per_call("torch's NCCL group async+wait", lambda: tdist.all_reduce(t, group=group, async_op=True).wait(), 5000)
+    tdist.destroy_process_group(group)
     dist.destroy_process_group()
 
 

@@ -465,6 +465,81 @@ class Worker:
         self.passed("ddp/bf16")
         self.finish()
 
+    # ------------------------------------------------------------------ the host never waits
+    def run_host_free(self) -> None:
+        """An asynchronous all-reduce and a DDP backward queued behind a 1 s kernel: the host gets
+        past ``wait()`` and ``backward()`` long before the kernel ends (the future is CUDA-aware and
+        complete at enqueue, as torch's NCCL group's), and the results are right once it has."""
+        import torch.distributed as tdist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.start()
+        cycles = self._cycles_for(1.0)
+        n = 1 << 20
+        t = torch.zeros(n, device=self.device)
+        tdist.all_reduce(t)  # the communicator first: its set-up synchronizes the device
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t.fill_(float(self.rank + 1))
+        start = time.perf_counter()
+        work = tdist.all_reduce(t, async_op=True)
+        work.wait()
+        future = work.get_future()
+        waited = time.perf_counter() - start
+        assert waited < 0.5, f"all_reduce(async_op=True).wait() blocked the host {waited:.3f} s behind a 1 s kernel"
+        assert future.done(), "the Work's future was not complete at enqueue"
+        self.close(future.wait()[0], torch.full((n,), float(sum(range(1, self.size + 1)))), "async all_reduce")
+        self.passed("host_free/async_wait")
+
+        model = DDP(self._model().to(self.device), device_ids=[self.device.index])
+        x, y = (v.to(self.device) for v in self._batch(self.rank, 0))
+        torch.nn.functional.mse_loss(model(x), y).backward()  # the buckets are made and rebuilt
+        model.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        waited = time.perf_counter() - start
+        assert waited < 0.5, f"DDP's backward blocked the host {waited:.3f} s behind a 1 s kernel"
+        torch.cuda.synchronize()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        self.passed("host_free/ddp_backward")
+        self.finish()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def run_graph(self) -> None:
+        """All-reduces (synchronous and asynchronous) captured by ``torch.cuda.graph`` and replayed
+        with new inputs give each replay's sums, as on torch's NCCL group."""
+        import torch.distributed as tdist
+
+        self.start()
+        n = 4096
+        t = torch.zeros(n, device=self.device)
+        u = torch.zeros(n, device=self.device, dtype=torch.bfloat16)
+        capture = torch.cuda.Stream(self.device)
+        capture.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture):  # warm-up on the capture stream, as torch's docs ask
+            tdist.all_reduce(t)
+            tdist.all_reduce(u, async_op=True).wait()
+        torch.cuda.current_stream().wait_stream(capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            tdist.all_reduce(t)
+            tdist.all_reduce(u, op=tdist.ReduceOp.MAX, async_op=True).wait()
+        for replay in range(3):
+            inputs = [self.inputs(r, n, torch.float32, 100 + replay) for r in range(self.size)]
+            halves = [self.inputs(r, n, torch.bfloat16, 200 + replay) for r in range(self.size)]
+            t.copy_(inputs[self.rank].to(self.device))
+            u.copy_(halves[self.rank].to(self.device))
+            graph.replay()
+            torch.cuda.synchronize()
+            self.close(t, self.expected(torch.stack(inputs), "sum", torch.float32), f"replay {replay}: sum")
+            assert torch.equal(u.cpu(), self.expected(torch.stack(halves), "max", torch.bfloat16)), f"replay {replay}"
+        self.passed("graph/replays")
+        self.finish()
+
     # ------------------------------------------------------------------ without CuPy
     def run_no_cupy(self) -> None:
         sys.modules["cupy"] = None  # as if CuPy were not installed

@@ -76,6 +76,10 @@ def reduce(values: List[torch.Tensor], op: int) -> torch.Tensor:
     return out.to(stack.dtype)
 
 
+_REACHED = threading.Event()
+_REACHED.set()
+
+
 class HostEvent:
     """A CUDA event: complete once the stream it was recorded on has reached it."""
 
@@ -83,11 +87,14 @@ class HostEvent:
     fake: Optional[HostNccl] = None
 
     def __init__(self, **kwargs):
-        self._done = threading.Event()
-        self._done.set()  # never recorded: complete, as in CUDA
+        self._done = _REACHED  # never recorded: complete, as in CUDA
 
     def record(self, stream=None) -> None:
         stream = stream if stream is not None else torch.cuda.current_stream()
+        if not stream.deferred and stream.graph is None:
+            self._done = _REACHED  # an inline stream has run everything enqueued on it
+            stream.enqueued += 1
+            return
         done = self._done = threading.Event()
         stream.enqueue(done.set)
 
@@ -95,6 +102,10 @@ class HostEvent:
         fake = HostEvent.fake
         if fake is not None:
             fake.queries.append((threading.current_thread().name, getattr(fake.thread, "device", None)))
+            if fake.capturing:
+                fake.queries_during_capture.append(threading.current_thread().name)
+            if fake.on_query is not None:
+                fake.on_query(self)
         return self._done.is_set()
 
     def wait(self) -> None:
@@ -114,14 +125,24 @@ class HostStream:
         self.device = torch.device("cpu")
         self.deferred = deferred
         self.errors: List[BaseException] = []  # what its work raised (a CUDA error)
+        self.graph: Optional[HostGraph] = None  # capturing into it (see HostNccl.capture)
+        self.enqueued = 0  # work enqueued on it, captured work included
         fake.streams[self.cuda_stream] = self
         if deferred:
-            self._queue: queue.Queue = queue.Queue()
-            self._worker = threading.Thread(target=self._run, name=f"stream-{self.cuda_stream}", daemon=True)
-            self._worker.start()
+            self.defer()
+
+    def defer(self) -> None:
+        """Run work on a worker thread from now on (a stream made inline becomes deferred)."""
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name=f"stream-{self.cuda_stream}", daemon=True)
+        self._worker.start()
+        self.deferred = True
 
     def enqueue(self, work) -> None:
-        if not self.deferred:
+        self.enqueued += 1
+        if self.graph is not None:
+            self.graph.nodes.append((self, work))
+        elif not self.deferred:
             work()
         else:
             self._queue.put(work)
@@ -153,6 +174,17 @@ class HostStream:
         if self.deferred:
             self._queue.put(None)
             self._worker.join(STUCK)
+
+
+class HostGraph:
+    """A CUDA graph: the work captured on a stream, run again at each :meth:`replay`."""
+
+    def __init__(self):
+        self.nodes: List[tuple] = []
+
+    def replay(self) -> None:
+        for stream, work in self.nodes:
+            stream.enqueue(work)
 
 
 class _World:
@@ -200,10 +232,32 @@ class HostNccl(types.ModuleType):
         self.comms: List[HostCommunicator] = []
         self.op_codes: List[int] = []
         self.streams: Dict[int, HostStream] = {}
+        #: Streams capturing now; the names of threads that queried an event meanwhile.
+        self.capturing: set = set()
+        self.queries_during_capture: List[str] = []
+        #: Called with the event at each query (a test's probe), or None.
+        self.on_query = None
+        #: Threads that put themselves in CUDA's relaxed capture mode (the watchdog's).
+        self.relaxed: List[str] = []
+        #: Every CUDA-aware future made: ``(future, devices)``.
+        self.futures: List[tuple] = []
+        #: True: NCCL calls move nothing and queue nothing (host-cost benchmarks at world size 1).
+        self.null = False
         self.NcclCommunicator = lambda ndev, uid, rank: HostCommunicator(self, ndev, uid, rank)
 
     def get_unique_id(self) -> bytes:
         return os.urandom(128)
+
+    @contextlib.contextmanager
+    def capture(self, stream: HostStream):
+        """``torch.cuda.graph``: what ``stream`` is given meanwhile is captured into the graph yielded."""
+        graph = stream.graph = HostGraph()
+        self.capturing.add(stream)
+        try:
+            yield graph
+        finally:
+            stream.graph = None
+            self.capturing.discard(stream)
 
     def get_version(self) -> int:
         return self.version
@@ -270,6 +324,8 @@ class HostCommunicator:
             return [slot[r] for r in range(w.size)]
 
     def _enqueue(self, stream: int, work) -> None:
+        if self.fake.null:
+            return
         if self.aborted:
             self.calls_after_abort.append(getattr(work, "__qualname__", "call"))
         self.fake.streams[stream].enqueue(work)
@@ -357,6 +413,8 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
     """
     import smddp.comm.backends.nccl as nccl_module
+    from smddp.comm.backends import nccl_pending, nccl_watch
+    from smddp.torch import _compat
 
     fake = HostNccl()
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
@@ -396,6 +454,26 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "device", device_guard)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+
+    def set_stream(stream) -> None:
+        current.stream = stream
+
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current_stream().graph is not None)
+
+    def device_future(device):
+        future = torch.futures.Future()  # CUDA-aware on a GPU; here the devices are recorded
+        fake.futures.append((future, [device]))
+        return future
+
+    monkeypatch.setattr(_compat, "device_future", device_future, raising=False)
+
+    def relax_capture_mode() -> bool:
+        fake.relaxed.append(threading.current_thread().name)
+        return True
+
+    monkeypatch.setattr(nccl_watch, "relax_capture_mode", relax_capture_mode, raising=False)
+    monkeypatch.setattr(nccl_pending, "relax_capture_mode", relax_capture_mode, raising=False)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: HostStream(fake, deferred))
     monkeypatch.setattr(torch.cuda, "Event", HostEvent)
     # Host code inside `with torch.cuda.stream(s)` runs at once: the tests that use deferred

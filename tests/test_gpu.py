@@ -200,6 +200,24 @@ def test_bool_complex_and_a_ddp_bool_buffer_as_torchs_nccl_group(tmp_path):
     _assert_same(_load(tmp_path, "nccl", "dtypes"), _load(tmp_path, "torch-nccl", "dtypes"), "nccl vs torch-nccl")
 
 
+@pytest.mark.parametrize("backend", ["nccl", "torch-nccl"])
+def test_the_host_never_waits_for_an_all_reduce_or_a_ddp_backward(backend, tmp_path):
+    """Behind a 1 s kernel, ``all_reduce(async_op=True).wait()`` and DDP's ``backward()`` return
+    at once (torch's NCCL group is the reference); the results are right once the GPU ran them."""
+    if backend == "nccl":
+        _cupy_or_skip()
+    result = _run("host_free", backend, tmp_path)
+    assert "CHECK 0 host_free/ddp_backward" in result.stdout, result.output
+
+
+@pytest.mark.parametrize("backend", ["nccl", "torch-nccl"])
+def test_all_reduces_captured_in_a_cuda_graph_replay_right(backend, tmp_path):
+    if backend == "nccl":
+        _cupy_or_skip()
+    result = _run("graph", backend, tmp_path)
+    assert "CHECK 0 graph/replays" in result.stdout, result.output
+
+
 def test_nccl_explicit_request_without_cupy_names_the_extra(tmp_path):
     """With CuPy hidden, backend='nccl' fails naming the extra; auto falls back to torch-nccl."""
     result = _run("no_cupy", "nccl", tmp_path)

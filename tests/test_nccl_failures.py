@@ -91,7 +91,7 @@ def test_a_stalled_gpu_is_noticed_without_the_host_waiting(monkeypatch):
         handle = engine.all_reduce(torch.ones(3), Op.SUM, async_op=True)
         handle.wait()  # stream-ordered: returns although rank 1 never calls
         with pytest.raises(CollectiveTimeout, match="Ranks that never arrived: 1.") as err:
-            handle._pending.synchronize()  # blocks the host, until the deadline at most
+            handle.wait(timeout=timedelta(seconds=JOIN))  # with a timeout the host waits: the deadline comes first
         with pytest.raises(CollectiveTimeout):
             handle.wait()  # the next wait raises it too
         assert not nccl_comm._watch.drain()  # returns once the watchdog has acted

@@ -43,8 +43,9 @@ from smddp import knobs
 from smddp.comm.backends import nccl_errors
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.nccl_cupy import CONVERTED, NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops, on_the_wire
+from smddp.comm.backends.nccl_direct import DirectPath
 from smddp.comm.backends.nccl_lane import CreationTimeout, Lane, open_lane
-from smddp.comm.backends.nccl_pending import HostPolled, StreamOrdered
+from smddp.comm.backends.nccl_pending import Captured, HostPolled, StreamOrdered
 from smddp.comm.backends.nccl_uid import UniqueIdTimeout, share_unique_id, unique_id_key
 from smddp.comm.backends.nccl_watch import Watchdog, Watched
 from smddp.comm.base import Communicator, Context, Op, Pending, average
@@ -223,6 +224,7 @@ class NCCLCommunicator(Communicator):
                     f"{op_name}: sharing NCCL's unique id through the group's store failed on rank {self.rank}: "
                     f"{exc}")) from exc
             self._watch.device = lane.index
+            self.direct = DirectPath(self, lane)
             self._lane = lane
             return lane
 
@@ -299,11 +301,20 @@ class NCCLCommunicator(Communicator):
 
     # ------------------------------------------------------------------ plumbing
     def _enqueue(self, lane: Lane, seq: int, op_name: str, stream, call: Callable[[Any, Any], None],
-                 held: tuple, pending: type = StreamOrdered) -> StreamOrdered:
-        """Run ``call(comm, stream)``, which enqueues an operation on ``stream``, under its deadline."""
+                 held: tuple, pending: type = StreamOrdered) -> Pending:
+        """Run ``call(comm, stream)``, which enqueues an operation on ``stream``, under its deadline.
+
+        During a CUDA graph capture (``stream`` is then the capturing one: :meth:`Lane.stream`)
+        the operation is captured, not watched: what it returns completes on the host at once.
+        """
+        capturing = lane.streams.capturing()
+        if capturing and pending is HostPolled:
+            raise InvalidArgumentError(
+                f"{op_name} cannot be captured in a CUDA graph: it blocks the host until every rank "
+                f"arrived (as torch's NCCL barrier does); call it before or after the capture")
         failure = event = None
         with lane.calling(self._refusal) as comm:
-            watched = self._watch.start(seq, op_name, held)
+            watched = None if capturing else self._watch.start(seq, op_name, held)
             try:
                 # NCCL's asynchronous error (a peer died) fails the next call, as it starts: the
                 # watchdog polls it between calls, and tests of operations in flight do not.
@@ -316,6 +327,8 @@ class NCCLCommunicator(Communicator):
                 failure = exc
         if failure is not None:
             raise self._give_up(seq, op_name, failure) from failure
+        if capturing:
+            return Captured(self, lane, stream, event, None)
         watched.event = event
         return pending(self, lane, stream, event, watched)
 

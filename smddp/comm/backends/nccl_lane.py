@@ -13,8 +13,9 @@ group's store). smddp's ``nccl`` backend does the same, one :class:`Lane` per gr
   becomes a :class:`~smddp.errors.CollectiveError` that says what to check.
 - :class:`Lane` keeps the communicator, the group's own stream (``SMDDP_NCCL_STREAM=side``,
   the default) and a buffer for barriers, and counts the host calls into NCCL in flight
-  (:meth:`Lane.calling`), so that an abort never starts a call on a communicator being
-  aborted and leaves the calls already made a moment to return first (:meth:`Lane.take`).
+  (:meth:`Lane.enter`, :meth:`Lane.calling`), so that an abort never starts a call on a
+  communicator being aborted and leaves the calls already made a moment to return first
+  (:meth:`Lane.take`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from smddp.comm.backends.nccl_uid import UniqueId
 from smddp.errors import CollectiveError
+from smddp.torch import _compat
 
 #: Seconds an abort waits for host calls into NCCL already made to return before it goes on.
 CALL_GRACE = 1.0
@@ -46,6 +48,8 @@ class Lane:
         comm: the NCCL communicator (CuPy's), None once taken for an abort or a destroy.
         side: the group's own stream, or None (collectives on the caller's current stream).
         barrier_buf: one float32 element on ``device``, reduced by barriers.
+        streams: the calling thread's current stream on ``device``, asked cheaply
+            (:class:`smddp.torch._compat.CudaStreams`).
     """
 
     def __init__(self, comm: Any, device: torch.device, index: int, side_stream: bool):
@@ -53,31 +57,49 @@ class Lane:
         with torch.cuda.device(index):
             self.side = torch.cuda.Stream(device) if side_stream else None
             self.barrier_buf = torch.zeros(1, dtype=torch.float32, device=device)
+        self.streams = _compat.CudaStreams(index)
         self._calls = 0
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        #: True while the direct path (:mod:`~smddp.comm.backends.nccl_direct`) calls NCCL: it reads
+        #: :attr:`comm` after setting this, and :meth:`take` clears :attr:`comm` before reading it,
+        #: so one of them sees the other (the engine's start lock lets one such call run at a time).
+        self.busy = False
 
     def stream(self):
-        """The stream to enqueue on, ordered after everything queued on the caller's current stream."""
-        current = torch.cuda.current_stream(self.index)  # an index: a third of a device's cost
-        if self.side is None:
+        """The stream to enqueue on, ordered after everything queued on the caller's current stream.
+
+        During a CUDA graph capture, the caller's current stream itself (the capturing one): a
+        collective captured there is part of the graph, and no other stream joins the capture.
+        """
+        current = self.streams.current()[1]
+        if self.side is None or self.streams.capturing():
             return current
         self.side.wait_stream(current)  # an event on the producer's stream, waited on by the group's
         return self.side
 
+    def enter(self):
+        """Start a host call into the communicator: it, or None once it was taken. Call :meth:`leave` after."""
+        with self._lock:
+            comm = self.comm
+            if comm is not None:
+                self._calls += 1
+            return comm
+
+    def leave(self) -> None:
+        """End a host call that :meth:`enter` started."""
+        with self._lock:
+            self._calls -= 1
+
     @contextlib.contextmanager
     def calling(self, refuse):
         """A host call into the communicator: yields it, or raises ``refuse()`` once it was taken."""
-        with self._cv:
-            comm = self.comm
-            if comm is None:
-                raise refuse()
-            self._calls += 1
+        comm = self.enter()
+        if comm is None:
+            raise refuse()
         try:
             yield comm
         finally:
-            with self._cv:
-                self._calls -= 1
-                self._cv.notify_all()
+            self.leave()
 
     def take(self, grace: float = CALL_GRACE) -> Optional[Any]:
         """Take the communicator out of use: no new call starts on it; calls made may finish.
@@ -88,11 +110,11 @@ class Lane:
         Returns:
             The communicator, or None if it was taken before.
         """
-        with self._cv:
+        with self._lock:
             comm, self.comm = self.comm, None
-            end = time.monotonic() + grace
-            while comm is not None and self._calls and time.monotonic() < end:
-                self._cv.wait(end - time.monotonic())
+        end = time.monotonic() + grace
+        while comm is not None and (self._calls or self.busy) and time.monotonic() < end:
+            time.sleep(0.001)
         return comm
 
 

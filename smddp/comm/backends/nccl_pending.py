@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from smddp.comm.backends.nccl_watch import relax_capture_mode
 from smddp.comm.base import Pending, poll
 
 
@@ -68,6 +69,7 @@ class StreamOrdered(Pending):
             CollectiveError: NCCL reported an error.
         """
         self._owner.check()
+        relax_capture_mode()  # the engine's progress thread asks: never invalidate another thread's capture
         with torch.cuda.device(self._lane.index):  # the engine's progress thread may ask
             return self.event.query()
 
@@ -80,6 +82,23 @@ class StreamOrdered(Pending):
         """
         # No deadline of its own: the watchdog ends a stalled operation, and query() raises.
         poll(self.query, math.inf)
+
+
+class Captured(StreamOrdered):
+    """An operation captured in a CUDA graph, on the capturing stream: done for the host, never
+    queried (its event is a node of the graph, not a real one), nothing for a waiter to order."""
+
+    __slots__ = ()
+
+    query = None  # completes on the host: the engine settles it at once
+
+    def waited(self) -> None:
+        self._owner.raise_failure()
+
+    def queue_after(self, action) -> bool:
+        with torch.cuda.device(self._lane.index):
+            action()  # the capturing stream is current: the step is captured after the operation
+        return True
 
 
 class HostPolled(StreamOrdered):

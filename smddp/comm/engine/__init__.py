@@ -34,9 +34,10 @@ operation.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -44,15 +45,32 @@ from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll,
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.checks import Checks, check_writable
+from smddp.comm.engine.completer import Completer, completing
 from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.progress import Progress
 from smddp.comm.engine.stall import labelled
-from smddp.errors import CollectiveError, CollectiveMismatchError, InvalidArgumentError, InvalidTypeError
+from smddp.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
 
 __all__ = ["Engine", "Handle"]
 
 _profiling = _events.active  # one C call: is torch's profiler recording in this thread
+
+
+class _Waiting(Pending):
+    """The Pending of a collective waiting to start (:meth:`Engine.chain`): nothing to advance yet."""
+
+    def test(self) -> bool:
+        return False
+
+
+_WAITING = _Waiting()
 
 class Engine(Health, Progress):
     """The collectives of one job over one communicator per device type.
@@ -96,9 +114,15 @@ class Engine(Health, Progress):
         self._abandoned: List[object] = []
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
+        # Collectives waiting for futures' callbacks to run first, and how many unsettled
+        # futures Python holds (see chain()); the threads that complete futures.
+        self._deferred: Deque[Handle] = collections.deque()
+        self._chained = 0
+        self._completer = Completer(f"smddp-completion-{self.rank}")
         #: The argument checks every collective makes before anything is sent.
         self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
+        self._cuda_comm = self.comms.get("cuda")
         #: SMDDP_DEBUG=1: compares every collective across ranks first; None (no cost) when off.
         self._debug = _debug.Checker(self, self.comms.get("cpu", self.primary)) if _debug.enabled() else None
         self._init_health(store)
@@ -151,37 +175,15 @@ class Engine(Health, Progress):
         try:
             if self._closed or self._broken is not None:
                 self._check_usable()
-            self.seq = seq = self.seq + 1
-            self._last_op = op_name
-            if check is not None:
-                self._last_start = time.monotonic()
-                self._debug.check(seq, op_name, *check)
-            try:
-                pending = start(*args, seq)
-            except CollectiveMismatchError as exc:
-                if not async_op:
-                    raise
-                # A plane may see a mismatch as one rank starts and as another completes:
-                # an asynchronous call reports it from wait() on every rank alike.
-                pending = Failed(exc)
-            except (CollectiveError, InvalidArgumentError, InvalidTypeError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-                # A start that failed part-way may have posted requests (a ring's receive into
-                # its scratch): the error's traceback holds the frames that hold their buffers.
-                self._abandoned.append(exc)
-                raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
-            handle = None
-            if self._inflight:
-                # A collective behind asynchronous ones completes after them.
-                handle = self._track(Handle(self, seq, op_name, pending, result=result))
-            elif async_op:
-                # Completed as it started, nothing before it in flight: born done, and no
-                # thread need ever test it (most small collectives, torch's API's too).
-                done = pending is DONE
-                handle = Handle(self, seq, op_name, pending, result=result, done=done)
-                if not done:
-                    self._track(handle)
+            if self._chained and not completing():
+                # A future's callbacks that may start collectives have not run yet: this one
+                # starts after them (see chain()).
+                handle = Handle(self, 0, op_name, _WAITING, result=result)
+                handle.start = (start, args, check)
+                self._deferred.append(handle)
+            else:
+                handle = self._start(op_name, start, async_op, check, args, result)
+                seq = self.seq
         finally:
             self._start_lock.release()
         if async_op:
@@ -193,12 +195,133 @@ class Engine(Health, Progress):
                 self._last_handle = handle
             return handle
         self._last_start = time.monotonic()
-        if handle is not None:
+        if handle.__class__ is not Handle:  # the Pending of a synchronous collective nothing is ahead of
+            if handle is not DONE:  # DONE: the communicator completed it as it started it
+                self._wait_inline(seq, op_name, handle)
+        else:
             handle.wait()
-        elif pending is not DONE:  # DONE: the communicator completed it as it started it
-            self._wait_inline(seq, op_name, pending)
+            seq = handle.seq
         self._done_seq = seq
         return None
+
+    def _start(self, op_name: str, start: Callable[..., Pending], async_op: bool, check, args: tuple,
+               result: Sequence):
+        """Number and start a collective (the caller holds ``_start_lock``).
+
+        Returns:
+            A :class:`Handle` where one is needed (asynchronous, or behind operations in flight),
+            else the synchronous operation's Pending, for the caller to wait on.
+        """
+        self.seq = seq = self.seq + 1
+        self._last_op = op_name
+        if check is not None:
+            self._last_start = time.monotonic()
+            self._debug.check(seq, op_name, *check)
+        try:
+            pending = start(*args, seq)
+        except CollectiveMismatchError as exc:
+            if not async_op:
+                raise
+            # A plane may see a mismatch as one rank starts and as another completes:
+            # an asynchronous call reports it from wait() on every rank alike.
+            pending = Failed(exc)
+        except (CollectiveError, InvalidArgumentError, InvalidTypeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+            # A start that failed part-way may have posted requests (a ring's receive into
+            # its scratch): the error's traceback holds the frames that hold their buffers.
+            self._abandoned.append(exc)
+            raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
+        if self._inflight:
+            # A collective behind asynchronous ones completes after them.
+            return self._track(Handle(self, seq, op_name, pending, result=result))
+        if async_op:
+            # Completed as it started, nothing before it in flight: born done, and no
+            # thread need ever test it (most small collectives, torch's API's too).
+            done = pending is DONE
+            handle = Handle(self, seq, op_name, pending, result=result, done=done)
+            if not done:
+                self._track(handle)
+            return handle
+        return pending
+
+    # ------------------------------------------------------------------ callbacks that start collectives
+    def chain(self, handle: Handle) -> None:
+        """Python took ``handle``'s future before it settled: what its callbacks start comes next.
+
+        torch's NCCL group completes a future as its collective is enqueued, in the caller's
+        thread, so a ``then`` callback that starts a collective (torch's PowerSGD hook) starts it
+        right after its parent, before the caller's next one, on every rank. Here a future
+        completes on whichever thread finds its operation done, at a time that differs from rank
+        to rank; so until ``handle`` has settled (its callbacks have returned), a collective that
+        another thread starts waits to start, and is numbered after the collectives the callbacks
+        start (:func:`~smddp.comm.engine.completer.completing` tells them apart). Every rank then
+        numbers them alike. Collectives whose future only C++ reads (DDP's reducer without a
+        Python hook) never wait.
+        """
+        with self._start_lock:
+            if not handle._settled and not handle.chained:
+                handle.chained = True
+                if handle.start is None:  # started; one still waiting counts once it starts
+                    self._chained += 1
+
+    def settled(self, handle: Handle) -> None:
+        """``handle`` has settled (what C++ sees of it, its future's callbacks): release what waits on it."""
+        with self._start_lock:
+            handle._settled = True
+            if handle.chained:
+                self._chained -= 1
+                if not self._chained and self._deferred:
+                    self._start_deferred()
+
+    def _start_deferred(self) -> None:
+        """Start the collectives that waited for callbacks, in the order they were called
+        (under ``_start_lock``), until one whose own future Python holds is unsettled."""
+        while self._deferred and not self._chained:
+            handle = self._deferred.popleft()
+            start, args, check = handle.start
+            handle.start = None
+            if self._closed or self._broken is not None:
+                try:
+                    self._check_usable()
+                except CollectiveError as exc:
+                    handle._error = exc
+                handle._finished = True
+                self._track(handle)
+                continue
+            self.seq = seq = handle.seq = self.seq + 1
+            self._last_op = handle.op_name
+            try:
+                if check is not None:
+                    self._debug.check(seq, handle.op_name, *check)
+                handle._pending = start(*args, seq)
+            except CollectiveMismatchError as exc:
+                handle._pending = Failed(exc)
+            except Exception as exc:  # noqa: BLE001 - fails this collective, as a start that failed part-way
+                self._abandoned.append(exc)
+                handle._pending = DONE
+                handle._error = self._fail(exc, handle)
+                handle._finished = True
+            self._track(handle)
+            if handle.chained and not handle._settled:
+                self._chained += 1
+
+    def _expire_deferred(self, now: float) -> None:
+        """Fail the collectives that waited past their deadline to start (callbacks that never returned)."""
+        if not self._deferred or now <= self._deferred[0].deadline:
+            return
+        with self._start_lock:
+            while self._deferred and now > self._deferred[0].deadline:
+                handle = self._deferred.popleft()
+                handle.start = None
+                handle._error = CollectiveTimeout(
+                    f"{handle.op_name} could not start within {self.timeout:g} s on {self._who()}: it waits for "
+                    f"the callbacks of an earlier collective's future (a then() callback), which have not "
+                    f"returned. The job is now broken: further collectives fail at once.")
+                if self._broken is None:
+                    self._broken = handle._error
+                handle._finished = True
+                self._track(handle)
 
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective, nothing else in flight, in the caller's thread.
@@ -237,9 +360,33 @@ class Engine(Health, Progress):
         # communicator takes): through that call a world-of-one v1 all_reduce took about 250 ns
         # more (timeit, alternated with this version, 2-core AMD EPYC VM), some 4% of a 4 KB
         # all-reduce on the shared-memory plane.
-        comm = self._cpu_comm if tensor.is_cpu else None
+        comm = self._cpu_comm if tensor.is_cpu else self._cuda_comm if tensor.is_cuda else None
         if comm is None or tensor.dtype not in comm.dtypes:
             comm = self.checks.comm_for(tensor)
+        direct = comm.direct
+        if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
+            # A stream-ordered communicator's direct path: numbered and started here, then
+            # nothing to own (smddp.comm.backends.nccl_direct). Taken with nothing of the general
+            # path in flight, so issue order holds; torch's NCCL group's rules apply from there:
+            # the operation is done for the host once it is enqueued.
+            name = "all_reduce" if label is None else labelled("all_reduce", label)
+            self._start_lock.acquire()
+            try:
+                if self._closed or self._broken is not None:
+                    self._check_usable()
+                # Numbered before the call: a rank blocked inside NCCL's (its first with a peer)
+                # tells the others it is in this collective.
+                last_op, self._last_start = self._last_op, time.monotonic()
+                self.seq = seq = self.seq + 1
+                self._last_op = name
+                work = direct.all_reduce(tensor, op, seq, name, async_op)
+                if work is direct.REFUSED:  # nothing was sent: the general path numbers it
+                    self.seq, self._last_op = seq - 1, last_op
+            finally:
+                self._start_lock.release()
+            if work is not direct.REFUSED:
+                self._done_seq = seq
+                return work
         check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
         name = "all_reduce" if label is None else labelled("all_reduce", label)
         inputs = [tensor]
@@ -362,12 +509,16 @@ class Engine(Health, Progress):
         if self._closed:
             return
         clean = self._broken is None and self._drain()
+        with self._start_lock:
+            never_started = list(self._deferred)
+            self._deferred.clear()
         with self._cv:
             self._closed = True
             abandoned = list(self._inflight)
             self._abandoned.extend(handle._pending for handle in abandoned)
             self._inflight.clear()
             self._cv.notify_all()
+        abandoned += never_started
         for handle in abandoned:  # a wait on one (from C++ too) raises instead of waiting for ever
             handle._error = handle._error or CollectiveError(
                 f"{handle.op_name} (sequence number {handle.seq}) was still in flight on rank {self.rank} "
@@ -376,6 +527,7 @@ class Engine(Health, Progress):
             handle._settle()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._completer.close()
         for handle in self._on_device:  # the communicators are drained or failed: nothing to wait for
             handle._settle()
         self._on_device.clear()

@@ -115,7 +115,7 @@ class Handle(_WorkBase):
 
     __slots__ = ("_engine", "seq", "op_name", "_pending", "_finished", "_done", "_error",
                  "_callbacks", "deadline", "ordered", "covers", "_result", "_waiter", "_future",
-                 "source")
+                 "source", "_settled", "chained", "start")
 
     def __init__(self, engine: Engine, seq: int, op_name: str, pending: Pending, ordered: bool = True,
                  result: Sequence = (), done: bool = False):
@@ -132,6 +132,8 @@ class Handle(_WorkBase):
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
         self.covers: Sequence[Handle] = ()
         self._result = result if result.__class__ is list else list(result)
+        #: What C++ sees of it is complete, its future's callbacks have returned (see settle()).
+        self._settled = done
         if done:
             if _CallbackWork is not None:
                 _CallbackWork.__init__(self, _settled)
@@ -152,6 +154,12 @@ class Handle(_WorkBase):
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
         self.ordered = ordered
+        #: Python asked for its future before it settled: its callbacks may start collectives,
+        #: which come right after it on every rank (:meth:`Engine.chain <smddp.comm.engine.Engine.chain>`).
+        self.chained = False
+        #: A collective that waits to start (see :meth:`Engine.run <smddp.comm.engine.Engine.run>`):
+        #: ``(start, args, check)``; None once started.
+        self.start = None
 
     # ------------------------------------------------------------------ torch's Work
     def is_completed(self) -> bool:
@@ -231,6 +239,8 @@ class Handle(_WorkBase):
                 self._future = _cpp_future(self).then(_value_or_raise)
             else:
                 self._future = self._own_future(devices)
+            if not self._settled:
+                self._engine.chain(self)
         return self._future
 
     def _completion(self) -> torch.futures.Future:
@@ -365,34 +375,31 @@ def settle(engine: Engine, handle: Handle) -> None:
     """
     if handle._pending.query is None:
         handle._settle()
+        engine.settled(handle)
         return
     with engine._cv:
         engine._on_device.append(handle)
         engine._cv.notify()
 
 
-def settle_on_device(engine: Engine) -> int:
-    """Settle the stream-ordered handles whose device has finished them (the progress thread).
+def settle_on_device(engine: Engine) -> List[Handle]:
+    """The stream-ordered handles whose device has finished them, taken off the engine's list.
 
-    Returns:
-        How many it settled.
+    The caller (the progress thread) has them settled (:meth:`Handle._settle`) off its own thread.
     """
     with engine._cv:
         waiting, engine._on_device = engine._on_device, []
-    later = []
+    later, finished = [], []
     for handle in waiting:
         try:
-            finished = handle._pending.query()
+            done = handle._pending.query()
         except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
-            finished = True
-        if finished:
-            handle._settle()
-        else:
-            later.append(handle)
+            done = True
+        (finished if done else later).append(handle)
     if later:
         with engine._cv:
             engine._on_device[:0] = later
-    return len(waiting) - len(later)
+    return finished
 
 
 class _Failed:

@@ -12,9 +12,10 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Deque, List, Optional, Sequence
 
 from smddp.comm.base import poll
+from smddp.comm.engine.completer import Completer, completion
 from smddp.comm.engine.handle import Handle, settle, settle_on_device
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
@@ -37,6 +38,8 @@ class Progress:
     _thread: Optional[threading.Thread]
     _last_handle: Optional[Handle]
     _done_seq: int
+    _completer: Completer
+    _deferred: Deque[Handle]
 
     def _track(self, handle: Handle) -> Handle:
         """Own ``handle`` until it completes; the progress thread advances it meanwhile."""
@@ -48,7 +51,7 @@ class Progress:
             self._cv.notify()
         return handle
 
-    def _poll(self) -> None:
+    def _poll(self, inline: bool = True) -> None:
         """Advance every operation in flight once; complete them in issue order.
 
         Every Pending is tested on each pass, so a ring whose handle nobody holds keeps
@@ -57,7 +60,13 @@ class Progress:
         are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
         run after the lock is released, in issue order; then each handle is settled (what C++
         sees of it completes: :func:`~smddp.comm.engine.handle.settle`).
+
+        ``inline``: the calling thread runs the callbacks and settles (a thread about to wait);
+        the progress thread passes False and hands them to the engine's completion threads
+        (:mod:`smddp.comm.engine.completer`), so that a callback that waits never stops it.
         """
+        if self._deferred:
+            self._expire_deferred(time.monotonic())
         finished: List[Handle] = []
         settled: List[Handle] = []  # done, no callbacks to run
         with self._cv:
@@ -103,6 +112,16 @@ class Progress:
             for handle in finished:
                 callbacks.append(handle._callbacks)
                 handle._callbacks = None  # completing: a callback added now runs at once
+        if not finished and not settled:
+            return
+        if inline:
+            with completion():
+                self._complete(finished, callbacks, settled)
+        else:
+            self._completer.submit(lambda: self._complete(finished, callbacks, settled))
+
+    def _complete(self, finished: List[Handle], callbacks: list, settled: List[Handle]) -> None:
+        """Run the done-callbacks of ``finished`` and settle every handle, in issue order."""
         for handle, calls in zip(finished, callbacks):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
@@ -113,6 +132,12 @@ class Progress:
         latest = self._last_handle
         if latest is not None and latest._done and self._last_handle is latest:
             self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
+
+    def _settle_all(self, handles: List[Handle]) -> None:
+        """Settle stream-ordered ``handles`` that their device has finished (a completion job)."""
+        for handle in handles:
+            handle._settle()
+            self.settled(handle)
 
     def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
         """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
@@ -160,19 +185,22 @@ class Progress:
                     pause = _HOST_POLL
                 if self._closed and not self._inflight:
                     return
-            self._poll()
-            settled = settle_on_device(self) if self._on_device else 0
+            self._poll(inline=False)
+            settled = settle_on_device(self) if self._on_device else ()
+            if settled:
+                self._completer.submit(lambda settled=settled: self._settle_all(settled))
             backing_off = self._on_device and not self._inflight and not settled
             pause = min(2 * pause, _DEVICE_POLL_MAX) if backing_off else _HOST_POLL
             time.sleep(pause)
 
     def _drain(self) -> bool:
-        """Wait for every operation in flight, each within its deadline; True if all completed."""
+        """Wait for every operation in flight or waiting to start, each within its deadline;
+        True if all completed."""
         while True:
             with self._cv:
-                if not self._inflight:
+                if not self._inflight and not self._deferred:
                     return not self._abandoned
-                last = self._inflight[-1]
+                last = self._inflight[-1] if self._inflight else self._deferred[-1]
             try:
                 last.wait()
             except CollectiveError as exc:

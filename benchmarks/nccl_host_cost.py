@@ -1,0 +1,140 @@
+"""The host's cost of one ``torch.distributed.all_reduce`` on smddp's ``nccl`` path, with CUDA and NCCL stubbed.
+
+::
+
+    python benchmarks/nccl_host_cost.py                  # 20 rounds of 2,000 calls each
+    python benchmarks/nccl_host_cost.py --rounds 40 --iters 5000
+
+No GPU is needed: the suite's NCCL stand-in (``tests/nccl_standin.py``) takes CuPy's NCCL module
+and torch's CUDA streams and events, with NCCL calls that move nothing (``null``), so what is
+timed is the host path a GPU job pays per call: torch's Python API, smddp's ProcessGroup, the
+engine and the ``nccl`` communicator (its direct path, :mod:`smddp.comm.backends.nccl_direct`),
+a world of one. Contenders, on a 256-element float32 tensor, all through
+``torch.distributed.all_reduce``:
+
+- ``sync``: ``all_reduce(t)`` (torch >= 2.8 passes ``asyncOp=False``: NCCL on the current stream);
+- ``async``: ``all_reduce(t, async_op=True).wait()`` (the group's stream, a CUDA-aware future);
+- ``null``: ``all_reduce(t)`` on a Python ProcessGroup that returns at once (a completed ``Work``
+  made once, for ``async_op=True``): what torch's API and a Python backend cost at the least.
+
+Each round times ``--iters`` calls of each contender in turn (CPU time of the whole process,
+``time.process_time``: the watchdog's and any other thread's too); each line is the median over
+rounds of the CPU time per call, in microseconds::
+
+    HOSTCOST sync <us>
+    HOSTCOST async <us>
+    HOSTCOST null <us>
+
+followed by the ratios to ``null``, medians of the within-round ratios. The stand-in's own
+streams and events are Python, a little dearer than torch's C calls: the figures are an upper
+bound of smddp's share on a GPU host (``benchmarks/gpu_call_cost.py`` measures that one there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the NCCL stand-in
+
+
+def build(monkeypatch):
+    """A world of one on the stand-in: smddp's ProcessGroup over an engine whose tensors go to NCCL,
+    and a null ProcessGroup. Returns ``(smddp_group, null_group, fake)``."""
+    import torch
+    import torch.distributed as tdist
+    from nccl_standin import install
+
+    from smddp._topology import Topology
+    from smddp.comm.backends.nccl import NCCLCommunicator
+    from smddp.comm.base import Context
+    from smddp.comm.engine import Engine
+    from smddp.torch.process_group import SmddpProcessGroup
+
+    fake = install(monkeypatch)
+    fake.null = True
+    topology = Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none")
+    ctx = Context(topology, timedelta(seconds=60), tdist.HashStore(), None)
+    comm = NCCLCommunicator(ctx)
+    engine = Engine({"cpu": comm}, timeout=60)  # the stand-in's tensors live on the CPU
+    group = SmddpProcessGroup(engine, 0, 1)
+
+    done = torch.futures.Future()
+    done.set_result([])
+    work = torch._C._distributed_c10d._create_work_from_future(done)
+
+    class NullGroup(tdist.ProcessGroup):
+        """A Python ProcessGroup whose all-reduce returns at once."""
+
+        def allreduce(self, tensors, opts=None):
+            return work if getattr(opts, "asyncOp", True) else None
+
+    return group, NullGroup(0, 1), fake, engine
+
+
+def measure(iters: int, rounds: int):
+    """Per contender, the per-round CPU time per call (seconds), and the within-round ratios to null."""
+    import pytest
+    import torch
+    import torch.distributed as tdist
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        group, null, fake, engine = build(monkeypatch)
+        t = torch.ones(256)
+        tdist.all_reduce(t, group=group)  # makes the communicator (the first call's general path)
+
+        def sync():
+            tdist.all_reduce(t, group=group)
+
+        def async_wait():
+            tdist.all_reduce(t, group=group, async_op=True).wait()
+
+        def null_call():
+            tdist.all_reduce(t, group=null)
+
+        contenders = {"sync": sync, "async": async_wait, "null": null_call}
+        for call in contenders.values():
+            for _ in range(200):
+                call()
+        times = {name: [] for name in contenders}
+        for _ in range(rounds):
+            for name, call in contenders.items():
+                start = time.process_time()
+                for _ in range(iters):
+                    call()
+                times[name].append((time.process_time() - start) / iters)
+        engine.close()
+        comm = engine.comms["cpu"]
+        comm.close()
+        for stream in fake.streams.values():
+            stream.close()
+    return times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=2000, help="calls per contender per round (default 2000)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
+    args = parser.parse_args(argv)
+    import platform
+
+    import torch
+
+    print(f"# python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
+    times = measure(args.iters, args.rounds)
+    for name in ("sync", "async", "null"):
+        print(f"HOSTCOST {name} {statistics.median(times[name]) * 1e6:.2f}")
+    for name in ("sync", "async"):
+        ratio = statistics.median(a / b for a, b in zip(times[name], times["null"]))
+        print(f"# {name} / null: {ratio:.2f}x (median of within-round ratios)")
+    print(f"# load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
