@@ -58,11 +58,12 @@ class WorkPending(Pending):
 
     __slots__ = ("_work", "_stream_ordered", "_after", "_ordering")
 
-    def __init__(self, work, stream_ordered: bool, after: Optional[Callable[[], None]] = None):
+    def __init__(self, work, stream_ordered: bool, after: Optional[Callable[[], None]] = None,
+                 captured: bool = False):
         self._work, self._stream_ordered, self._after = work, stream_ordered, after
         # A stream-ordered Work orders the caller's current stream on every wait().
         self._ordering = work if stream_ordered else None
-        if stream_ordered and work is not None and torch.cuda.is_current_stream_capturing():
+        if captured:
             # Captured in a CUDA graph: ordered on the capturing stream now, in the capturing
             # thread; no other thread may touch it (the engine's progress thread tests this).
             self.test()
@@ -139,6 +140,14 @@ class TorchBackendCommunicator(Communicator):
             if tensor.device.type == self.device_type:
                 check_device(tensor, self.device, self.name)
 
+    @staticmethod
+    def _capturing() -> bool:
+        """True while the calling thread captures a graph on the device (CUDA: see TorchNCCLCommunicator)."""
+        return False
+
+    def _pending(self, work) -> WorkPending:
+        return WorkPending(work, self.stream_ordered, captured=self.stream_ordered and self._capturing())
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         self._check(tensor)
@@ -148,7 +157,7 @@ class TorchBackendCommunicator(Communicator):
         opts.reduceOp = _REDUCE_OPS[Op.SUM if divide else op]
         work = self.backend.allreduce([tensor], opts)
         if not divide:
-            return WorkPending(work, self.stream_ordered)
+            return self._pending(work)
         if self.stream_ordered:
             # Order the division on the caller's stream now, not in whichever thread tests.
             work.wait()
@@ -161,7 +170,7 @@ class TorchBackendCommunicator(Communicator):
         opts = BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        return WorkPending(self.backend.broadcast([tensor], opts), self.stream_ordered)
+        return self._pending(self.backend.broadcast([tensor], opts))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         self._check(output, input)
@@ -170,7 +179,7 @@ class TorchBackendCommunicator(Communicator):
             work = gather_base(output, input, AllgatherOptions())
         else:
             work = self.backend.allgather([list(output.chunk(self.size))], [input], AllgatherOptions())
-        return WorkPending(work, self.stream_ordered)
+        return self._pending(work)
 
     def all_to_all_single(
         self,
@@ -184,7 +193,7 @@ class TorchBackendCommunicator(Communicator):
         work = self.backend.alltoall_base(
             output, input, [int(c) for c in output_counts], [int(c) for c in input_counts], AllToAllOptions()
         )
-        return WorkPending(work, self.stream_ordered)
+        return self._pending(work)
 
     def barrier(self, tag: int) -> Pending:
         opts = BarrierOptions()
@@ -214,6 +223,7 @@ class TorchNCCLCommunicator(TorchBackendCommunicator):
     device_type = "cuda"
     native_average = True
     stream_ordered = True
+    _capturing = staticmethod(torch.cuda.is_current_stream_capturing)
 
     @classmethod
     def build(cls, ctx: Context) -> Dict[str, Communicator]:
