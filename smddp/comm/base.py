@@ -426,10 +426,15 @@ class Communicator(abc.ABC):
 
 
 # ---------------------------------------------------------------------------- waiting
-# Busy-poll this many times before yielding the CPU while waiting: small collectives
-# finish within it, and a stalled peer does not cost a whole core for long.
+# Busy-poll for this long (and at most this many tests) before the thread starts to sleep: small
+# collectives finish within it. Past it the thread sleeps between tests, from _FIRST_NAP seconds
+# doubling up to _LAST_NAP: a rank that waits for a peer gives its core back (on a host with more
+# ranks than cores, a rank that spun kept the one it waited for off the CPU: the hierarchical
+# plane's four ranks on two cores took 14-28 s for an all-reduce of milliseconds).
+_HOT_SECONDS = 0.002
 _HOT_POLLS = 4000
-_WARM_POLLS = 40000
+_FIRST_NAP = 2e-5
+_LAST_NAP = 5e-4
 # A Pending with ``block(seconds)`` (a library that completes on its own threads, like gloo)
 # is slept on in slices of this many seconds instead of polled: polling takes the CPU from
 # the very threads doing the work.
@@ -446,8 +451,8 @@ def poll(
 
     Between two calls the thread waits as suits the operation: ``block(seconds)`` for a
     library that completes it on threads of its own; else ``pause()`` if given; else it
-    polls busily for the first few thousand calls (small collectives finish within them),
-    then yields the CPU, then sleeps half a millisecond at a time.
+    polls busily for up to 2 ms (small collectives finish within it), then sleeps between
+    tests, 20 us at first, doubling up to half a millisecond.
 
     Args:
         test: returns True once the operation has completed.
@@ -459,12 +464,16 @@ def poll(
     Returns:
         True once ``test()`` did; False when the deadline passed first.
     """
-    polls = 0
+    if test():
+        return True
+    hot = block is None and pause is None
+    polls, nap = 0, _FIRST_NAP
+    hot_until = time.monotonic() + _HOT_SECONDS if hot else 0.0
     while not test():
         polls += 1
-        if block is None and pause is None and polls <= _HOT_POLLS:
-            continue
         now = time.monotonic()
+        if hot and polls <= _HOT_POLLS and now < hot_until:
+            continue
         if now > deadline:
             return False
         if block is not None:
@@ -472,5 +481,6 @@ def poll(
         elif pause is not None:
             pause()
         else:
-            time.sleep(0 if polls < _WARM_POLLS else 0.0005)
+            time.sleep(nap)
+            nap = min(2 * nap, _LAST_NAP)
     return True

@@ -181,9 +181,39 @@ class Engine(Health, Progress):
                 handle = Handle(self, 0, op_name, _WAITING, result=result)
                 handle.start = (start, args, check)
                 self._deferred.append(handle)
+                pending = None
             else:
-                handle = self._start(op_name, start, async_op, check, args, result)
-                seq = self.seq
+                self.seq = seq = self.seq + 1
+                self._last_op = op_name
+                if check is not None:
+                    self._last_start = time.monotonic()
+                    self._debug.check(seq, op_name, *check)
+                try:
+                    pending = start(*args, seq)
+                except CollectiveMismatchError as exc:
+                    if not async_op:
+                        raise
+                    # A plane may see a mismatch as one rank starts and as another completes:
+                    # an asynchronous call reports it from wait() on every rank alike.
+                    pending = Failed(exc)
+                except (CollectiveError, InvalidArgumentError, InvalidTypeError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
+                    # A start that failed part-way may have posted requests (a ring's receive into
+                    # its scratch): the error's traceback holds the frames that hold their buffers.
+                    self._abandoned.append(exc)
+                    raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
+                handle = None
+                if self._inflight:
+                    # A collective behind asynchronous ones completes after them.
+                    handle = self._track(Handle(self, seq, op_name, pending, result=result))
+                elif async_op:
+                    # Completed as it started, nothing before it in flight: born done, and no
+                    # thread need ever test it (most small collectives, torch's API's too).
+                    done = pending is DONE
+                    handle = Handle(self, seq, op_name, pending, result=result, done=done)
+                    if not done:
+                        self._track(handle)
         finally:
             self._start_lock.release()
         if async_op:
@@ -195,55 +225,13 @@ class Engine(Health, Progress):
                 self._last_handle = handle
             return handle
         self._last_start = time.monotonic()
-        if handle.__class__ is not Handle:  # the Pending of a synchronous collective nothing is ahead of
-            if handle is not DONE:  # DONE: the communicator completed it as it started it
-                self._wait_inline(seq, op_name, handle)
-        else:
+        if handle is not None:
             handle.wait()
             seq = handle.seq
+        elif pending is not DONE:  # DONE: the communicator completed it as it started it
+            self._wait_inline(seq, op_name, pending)
         self._done_seq = seq
         return None
-
-    def _start(self, op_name: str, start: Callable[..., Pending], async_op: bool, check, args: tuple,
-               result: Sequence):
-        """Number and start a collective (the caller holds ``_start_lock``).
-
-        Returns:
-            A :class:`Handle` where one is needed (asynchronous, or behind operations in flight),
-            else the synchronous operation's Pending, for the caller to wait on.
-        """
-        self.seq = seq = self.seq + 1
-        self._last_op = op_name
-        if check is not None:
-            self._last_start = time.monotonic()
-            self._debug.check(seq, op_name, *check)
-        try:
-            pending = start(*args, seq)
-        except CollectiveMismatchError as exc:
-            if not async_op:
-                raise
-            # A plane may see a mismatch as one rank starts and as another completes:
-            # an asynchronous call reports it from wait() on every rank alike.
-            pending = Failed(exc)
-        except (CollectiveError, InvalidArgumentError, InvalidTypeError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
-            # A start that failed part-way may have posted requests (a ring's receive into
-            # its scratch): the error's traceback holds the frames that hold their buffers.
-            self._abandoned.append(exc)
-            raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
-        if self._inflight:
-            # A collective behind asynchronous ones completes after them.
-            return self._track(Handle(self, seq, op_name, pending, result=result))
-        if async_op:
-            # Completed as it started, nothing before it in flight: born done, and no
-            # thread need ever test it (most small collectives, torch's API's too).
-            done = pending is DONE
-            handle = Handle(self, seq, op_name, pending, result=result, done=done)
-            if not done:
-                self._track(handle)
-            return handle
-        return pending
 
     # ------------------------------------------------------------------ callbacks that start collectives
     def chain(self, handle: Handle) -> None:
