@@ -464,16 +464,16 @@ def poll(
     Returns:
         True once ``test()`` did; False when the deadline passed first.
     """
-    if test():
-        return True
     hot = block is None and pause is None
-    polls, nap = 0, _FIRST_NAP
-    hot_until = time.monotonic() + _HOT_SECONDS if hot else 0.0
+    polls, nap, hot_until = 0, _FIRST_NAP, 0.0
     while not test():
         polls += 1
         now = time.monotonic()
-        if hot and polls <= _HOT_POLLS and now < hot_until:
-            continue
+        if hot and polls <= _HOT_POLLS:
+            if polls == 1:
+                hot_until = now + _HOT_SECONDS
+            if now < hot_until:
+                continue
         if now > deadline:
             return False
         if block is not None:
