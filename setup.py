@@ -9,12 +9,12 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "smddp.comm.backends._shm_native",
-            ["smddp/comm/backends/_shm_native.c"],
+            "smddp.comm.planes._shm_native",
+            ["smddp/comm/planes/_shm_native.c"],
             # One translation unit: the .c includes these (listed, they ship in the sdist too).
-            depends=["smddp/comm/backends/_shm_fold.h", "smddp/comm/backends/_shm_sync.h",
-                     "smddp/comm/backends/_shm_ops.h", "smddp/comm/backends/_shm_cma.h",
-                     "smddp/comm/backends/_shm_op_type.h"],
+            depends=["smddp/comm/planes/_shm_fold.h", "smddp/comm/planes/_shm_sync.h",
+                     "smddp/comm/planes/_shm_ops.h", "smddp/comm/planes/_shm_cma.h",
+                     "smddp/comm/planes/_shm_op_type.h"],
             # -fno-wrapv: Python's own CFLAGS carry -fwrapv, under which GCC's code for the folds
             # measured 1.2-1.3x slower at 1-4 MB (docs/performance.md); the folds' integer
             # arithmetic is unsigned, so nothing relies on signed wrap-around. -ffp-contract=off:

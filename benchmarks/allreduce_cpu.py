@@ -68,7 +68,7 @@ import smddp
 import smddp.torch.distributed as dist
 from smddp.bench import format_size, parse_size
 from smddp.comm.base import Op
-from smddp.info import cpu_model
+from smddp.info.report import cpu_model
 
 BARS = {  # size: (min gloo/smddp, max smddp/mpi4py-tensor)
     4 << 10: (20.0, 2.0),
@@ -118,7 +118,7 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
         methods[f"{type(communicator).__name__}.all_reduce"] = through_communicator
         plane = getattr(communicator, "_shm", None)
         if plane is not None and plane.native and getattr(communicator, "plane", "") == "shm":
-            from smddp.comm.backends import shm
+            from smddp.comm.planes import shm
 
             calls = [1 << 20]  # the fingerprint's sequence number: beyond the engine's, the same on all ranks
 

@@ -54,7 +54,7 @@ import tempfile
 import time
 from typing import Dict, List, Sequence
 
-from smddp.info import cpu_model
+from smddp.info.report import cpu_model
 
 CONTENDERS = ("smddp", "smddp-no-hook", "smddp-torch-path", "torch-gloo", "no-comm", "lockstep", "compute")
 PHASES = ("forward", "backward", "optimizer")

@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     dist.init_process_group()
     from mpi4py import MPI
 
-    from smddp.comm.backends import shm
-    from smddp.comm.backends.shm_segment import HEADER
+    from smddp.comm.planes import shm
+    from smddp.comm.planes.shm_segment import HEADER
     from smddp.torch import groups
 
     comm = MPI.COMM_WORLD

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     ddp = None if args.no_ddp else ddp_rounds(group, args.rounds, args.ddp_steps, device)
 
     if rank == 0:
-        from smddp.comm.backends.nccl import stream_mode
+        from smddp.comm.backends.nccl.communicator import stream_mode
 
         print(f"# smddp nccl (CuPy, {stream_mode()} stream) vs torch's NCCL group: {size} rank(s), one GPU each")
         print(f"# command:  {_command()}")

@@ -8,7 +8,7 @@
 No GPU is needed: the suite's NCCL stand-in (``tests/nccl_standin.py``) takes CuPy's NCCL module
 and torch's CUDA streams and events, with NCCL calls that move nothing (``null``), so what is
 timed is the host path a GPU job pays per call: torch's Python API, smddp's ProcessGroup, the
-engine and the ``nccl`` communicator (its direct path, :mod:`smddp.comm.backends.nccl_direct`),
+engine and the ``nccl`` communicator (its direct path, :mod:`smddp.comm.backends.nccl.direct`),
 a world of one. Contenders, on a 256-element float32 tensor, all through
 ``torch.distributed.all_reduce``:
 
@@ -50,10 +50,10 @@ def build(monkeypatch):
     import torch.distributed as tdist
     from nccl_standin import install
 
-    from smddp._topology import Topology
-    from smddp.comm.backends.nccl import NCCLCommunicator
+    from smddp.comm.backends.nccl.communicator import NCCLCommunicator
     from smddp.comm.base import Context
     from smddp.comm.engine import Engine
+    from smddp.job.topology import Topology
     from smddp.torch.process_group import SmddpProcessGroup
 
     fake = install(monkeypatch)

@@ -18,13 +18,13 @@ never shadowed: when one is importable the alias stays off and a note says so on
 
 from __future__ import annotations
 
-from smddp._smdistributed_finder import ALIAS_ROOT, TARGET_ROOT, disable, enable, is_enabled, real_smdistributed
+from smddp.launch.smdistributed import ALIAS_ROOT, TARGET_ROOT, disable, enable, is_enabled, real_smdistributed
 
 __all__ = ["ALIAS_ROOT", "TARGET_ROOT", "enable", "disable", "is_enabled", "real_smdistributed"]
 
 enable()
 
 if __name__ == "__main__":
-    from smddp._bootstrap import main
+    from smddp.launch.bootstrap import main
 
     main()

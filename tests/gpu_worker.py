@@ -548,7 +548,7 @@ class Worker:
         import smddp
         import smddp.comm as comm
         import smddp.torch.distributed as dist
-        from smddp._topology import discover
+        from smddp.job.topology import discover
 
         self.rank = 0
         try:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as tdist
 from nccl_standin import HostStream
 
-from smddp import _excepthook
-from smddp._topology import Topology
-from smddp.comm.backends.nccl import NCCLCommunicator
+from smddp.comm.backends.nccl.communicator import NCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
+from smddp.job import excepthook
+from smddp.job.topology import Topology
 
 JOIN = 60.0  # seconds a rank's thread may take at most: a hang fails the test instead
 
@@ -63,7 +63,7 @@ def run_ranks(fake, size: int, body, timeout: float = 20.0, with_store: bool = F
         finally:
             if engine is not None:
                 engine.close()
-                _excepthook.forget(engine)  # a broken engine would end pytest's process at exit
+                excepthook.forget(engine)  # a broken engine would end pytest's process at exit
             if nccl_comm is not None:
                 nccl_comm.close()
 

@@ -412,9 +412,9 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     Returns:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
     """
-    import smddp.comm.backends.nccl as nccl_module
-    from smddp.comm.backends import nccl_pending, nccl_watch
-    from smddp.torch import _compat
+    import smddp.comm.backends.nccl.communicator as nccl_module
+    from smddp import _compat
+    from smddp.comm.backends.nccl import pending, watchdog
 
     fake = HostNccl()
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
@@ -472,8 +472,8 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
         fake.relaxed.append(threading.current_thread().name)
         return True
 
-    monkeypatch.setattr(nccl_watch, "relax_capture_mode", relax_capture_mode, raising=False)
-    monkeypatch.setattr(nccl_pending, "relax_capture_mode", relax_capture_mode, raising=False)
+    monkeypatch.setattr(watchdog, "relax_capture_mode", relax_capture_mode, raising=False)
+    monkeypatch.setattr(pending, "relax_capture_mode", relax_capture_mode, raising=False)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: HostStream(fake, deferred))
     monkeypatch.setattr(torch.cuda, "Event", HostEvent)
     # Host code inside `with torch.cuda.stream(s)` runs at once: the tests that use deferred

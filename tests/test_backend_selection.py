@@ -21,14 +21,14 @@ import torch
 import torch.distributed as tdist
 
 import smddp.comm as comm
-from smddp._topology import Topology
 from smddp.comm import BACKENDS, Probe, choose_backend
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
 from smddp.comm.base import ARITHMETIC, Communicator, Context, Done, Op, Pending
-from smddp.comm.cpu import PlaneSettings, build, companion
 from smddp.comm.engine import Engine
+from smddp.comm.planes.choose import PlaneSettings, build, companion
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
+from smddp.job.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,14 +171,15 @@ def test_registry_names_each_device_backends_device_and_install_hint():
         assert BACKENDS[name].device in cls.device_types
 
 
-@pytest.mark.parametrize("module", ["devices", "nccl", "torch_native"])
+@pytest.mark.parametrize("module", ["devices.py", "torch_native.py", *(
+    f"nccl/{p.name}" for p in sorted((ROOT / "smddp" / "comm" / "backends" / "nccl").glob("*.py")))])
 def test_importing_device_backends_loads_no_device_library(monkeypatch, module):
     # Fresh copies of the modules, run while importing a device library fails: a
     # module-level import of CuPy, mpi4py.MPI (it would start MPI) or oneCCL raises here.
     for name in ("cupy", "cupy.cuda", "mpi4py", "mpi4py.MPI", "oneccl_bindings_for_pytorch"):
         monkeypatch.setitem(sys.modules, name, None)
-    path = ROOT / "smddp" / "comm" / "backends" / f"{module}.py"
-    spec = importlib.util.spec_from_file_location(f"_fresh_{module}", path)
+    path = ROOT / "smddp" / "comm" / "backends" / module
+    spec = importlib.util.spec_from_file_location(f"_fresh_{module.replace('/', '_')[:-3]}", path)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)
     assert fresh.__doc__

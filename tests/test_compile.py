@@ -4,7 +4,7 @@
 smddp's, ``optimize_ddp`` on and off, the ``eager``, ``aot_eager`` and, where a C++ compiler is
 on PATH, ``inductor`` backends) and prints each rank's parameter digests; a gloo job of the same
 script under torchrun is the reference. Before smddp hid its group from dynamo
-(``smddp.torch._compat.opaque_to_dynamo``) every variant failed at its second step: DDP's bucket
+(``smddp._compat.opaque_to_dynamo``) every variant failed at its second step: DDP's bucket
 rebuild called the group's Python ``broadcast`` while dynamo's frame hook was on.
 """
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
-from smddp import _mca, _sockets
+from smddp.job import mca, sockets
 
 from launchers import MPIRUN, ROOT, SCRIPTS, base_env, descendants, free_port
 
@@ -170,7 +170,7 @@ def test_smddprun_over_mpirun_listens_on_loopback_only(tmp_path, ranks):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_plain_mpirun_on_one_host_listens_on_loopback_only(tmp_path, ranks):
-    # No option at all: smddp initializes MPI in the ranks, with shared memory only (smddp/_mca.py).
+    # No option at all: smddp initializes MPI in the ranks, with shared memory only (smddp/job/mca.py).
     if MPIRUN is None:
         pytest.skip("mpirun not installed")
     job = Held([MPIRUN, "-np", str(ranks), "--oversubscribe", sys.executable], ranks, tmp_path)
@@ -191,7 +191,7 @@ def small_dev_shm(size: str) -> List[str]:
 @pytest.mark.mpi
 def test_plain_mpirun_in_a_4_mb_dev_shm_runs_over_loopback_only(tmp_path):
     # Open MPI's shared memory (16 MiB a rank) does not fit: with smddp's "self,sm" MPI_Init used
-    # to fail. Its segments now go to the job's session directory (smddp/_mca.py); smddp's own
+    # to fail. Its segments now go to the job's session directory (smddp/job/mca.py); smddp's own
     # plane does not fit either, so rank 0 warns once and the collectives run on MPI.
     if MPIRUN is None:
         pytest.skip("mpirun not installed")
@@ -226,10 +226,10 @@ def test_mca_defaults_only_for_an_open_mpi_rank_on_one_host_without_a_btl_of_its
     (tmp_path / "btl.conf").write_text("# mine\nbtl = self,tcp\n")
     for change, expected in cases:
         env = {**one_host, **change}
-        _mca.one_host_defaults(env)
+        mca.one_host_defaults(env)
         assert env.get("OMPI_MCA_btl") == expected, change
     env = {"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}  # MPICH: not Open MPI's settings
-    _mca.one_host_defaults(env)
+    mca.one_host_defaults(env)
     assert "OMPI_MCA_btl" not in env
 
 
@@ -241,15 +241,15 @@ def test_open_mpi_segments_move_only_where_they_fit_and_the_user_did_not_place_t
             "OMPI_MCA_mca_base_param_files": str(tmp_path / "none.conf"), "HOME": str(tmp_path),
             "OMPI_FILE_LOCATION": str(session / "0")}
     placed = {**rank, "OMPI_MCA_btl_sm_segment_size": str(1 << 60), "OMPI_MCA_btl_sm_backing_directory": "/mine"}
-    _mca.one_host_defaults(placed)
+    mca.one_host_defaults(placed)
     assert placed["OMPI_MCA_btl_sm_backing_directory"] == "/mine"  # the user's, even where nothing fits
     nowhere = {**rank, "OMPI_MCA_btl_sm_segment_size": str(1 << 60)}
-    _mca.one_host_defaults(nowhere)
+    mca.one_host_defaults(nowhere)
     assert "OMPI_MCA_btl_sm_backing_directory" not in nowhere  # no directory holds it: Open MPI says so
     free = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
     if free is not None and free.f_bavail * free.f_frsize >= 32 << 20:
         roomy = dict(rank)
-        _mca.one_host_defaults(roomy)
+        mca.one_host_defaults(roomy)
         assert "OMPI_MCA_btl_sm_backing_directory" not in roomy  # /dev/shm holds 16 MiB: left alone
 
 
@@ -270,7 +270,7 @@ def test_torchrun_ranks_listen_on_loopback_only(tmp_path):
 def _other_interface() -> Tuple[str, str]:
     for _, name in socket.if_nameindex():
         try:
-            address = _sockets.interface_address(name)
+            address = sockets.interface_address(name)
         except Exception:  # noqa: BLE001 - no IPv4 address on it
             continue
         if not ipaddress.ip_address(address).is_loopback:

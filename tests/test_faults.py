@@ -20,11 +20,11 @@ from typing import Dict, List
 import pytest
 import torch
 
-from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine, debug, stall
 from smddp.comm.engine.handle import DETACHABLE
+from smddp.job.topology import Topology
 from smddp.torch import _labels
 
 from launchers import ROOT, base_env, mpirun, python, rank_lines, torchrun

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as tdist
 from test_nccl_units import X86_ID, _fake_cupy
 
-from smddp._topology import Topology
 from smddp.comm.backends.local import LocalCommunicator
-from smddp.comm.backends.nccl import share_unique_id
+from smddp.comm.backends.nccl.communicator import share_unique_id
 from smddp.comm.base import Context
 from smddp.comm.subgroups import group_topology, members, subgroup_communicators
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.job.topology import Topology
 
 from launchers import mpirun, rank_lines, torchrun
 

@@ -42,7 +42,7 @@ def test_plain_python_json_and_text():
     import torch
 
     import smddp
-    from smddp.info import format_report
+    from smddp.info.report import format_report
 
     report = json.loads(python(["-m", "smddp.info", "--json"], timeout=120).check().stdout)
     assert report["smddp"]["version"] == smddp.__version__ and report["torch"]["version"] == torch.__version__
@@ -81,7 +81,7 @@ def test_under_mpirun_every_rank_reports():
 
 
 def test_without_mpi4py(no_mpi4py):
-    from smddp.info import format_report
+    from smddp.info.report import format_report
 
     report = json.loads(python(["-m", "smddp.info", "--json"], env=no_mpi4py, timeout=120).check().stdout)
     assert report["mpi4py"]["version"] is None and "hidden by the test" in report["mpi4py"]["error"]
@@ -101,7 +101,7 @@ def test_without_mpi4py_under_mpirun(no_mpi4py):
 
 
 def test_collect_never_initializes_mpi_in_process():
-    code = ("import sys, smddp.info as i; r = i.collect(); "
+    code = ("import sys, smddp.info.report as i; r = i.collect(); "
             "print('MPI-IMPORTED' if 'mpi4py.MPI' in sys.modules else 'MPI-UNTOUCHED'); "
             "print(len(i.format_report(r).splitlines()))")
     res = python(["-c", code], timeout=120).check()
@@ -117,7 +117,7 @@ def test_without_torch_says_so_in_one_line(tmp_path):
 
 
 def test_help_documents_every_option():
-    from smddp.info import build_parser
+    from smddp.info.report import build_parser
 
     text = build_parser().format_help()
     assert "--json" in text and "--all-ranks" in text

@@ -126,9 +126,9 @@ def test_sagemaker_switch_trains_hugging_face_on_cpu_in_local_mode(script, gloo_
 SWITCH_CHECK = """\
 import json, os, sys
 import torch, torch.distributed as dist
-from smddp import _sagemaker_switch
+from smddp.launch import sagemaker_switch
 os.environ.update(json.loads(sys.argv[1]))
-report = {"applied": _sagemaker_switch.apply(), "device": os.environ.get("ACCELERATE_TORCH_DEVICE")}
+report = {"applied": sagemaker_switch.apply(), "device": os.environ.get("ACCELERATE_TORCH_DEVICE")}
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 for ids in ([1], [0]):
     try:

@@ -30,7 +30,7 @@ def test_a_value_that_does_not_parse_names_the_variable():
 
 
 def test_a_bad_tuning_value_fails_the_import_with_its_name():
-    res = python(["-c", "import smddp.comm.backends.shm"], env={"SMDDP_SHM_CHUNK_BYTES": "lots"}, timeout=60)
+    res = python(["-c", "import smddp.comm.planes.shm"], env={"SMDDP_SHM_CHUNK_BYTES": "lots"}, timeout=60)
     assert res.returncode != 0, res.output
     assert "InvalidArgumentError: SMDDP_SHM_CHUNK_BYTES='lots' is not a number of bytes" in res.stderr, res.output
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from smddp import _smdistributed_finder, launch
+from smddp.launch import smddprun
+from smddp.launch import smdistributed as alias_finder
 
 from launchers import MPIRUN, ROOT, SCRIPTS, base_env, run
 
@@ -123,12 +124,12 @@ def test_help_documents_every_option():
     (["--mpi-args", "--verbose", "train.py"], ["train.py"]),
 ])
 def test_program_and_its_arguments_are_kept_apart(argv, program):
-    assert launch.parse_args(argv).program == program
+    assert smddprun.parse_args(argv).program == program
 
 
 def test_mpi_args_may_start_with_a_dash():
-    assert launch.parse_args(["--mpi-args", "--verbose", "t.py"]).mpi_args == ["--verbose"]
-    assert launch.parse_args(["--mpi-args", "--bind-to none -v", "t.py"]).mpi_args == ["--bind-to", "none", "-v"]
+    assert smddprun.parse_args(["--mpi-args", "--verbose", "t.py"]).mpi_args == ["--verbose"]
+    assert smddprun.parse_args(["--mpi-args", "--bind-to none -v", "t.py"]).mpi_args == ["--bind-to", "none", "-v"]
 
 
 def test_dry_run_shows_the_openmpi_command(tmp_path):
@@ -146,11 +147,11 @@ def test_dry_run_shows_the_openmpi_command(tmp_path):
     assert words[mpirun_at + 1:mpirun_at + 3] == ["-np", "3"]
     assert "--tag-output" in words
     assert ("--allow-run-as-root" in words) == (os.geteuid() == 0)
-    assert ("--oversubscribe" in words) == (3 > launch.physical_cores())
+    assert ("--oversubscribe" in words) == (3 > smddprun.physical_cores())
     assert words[0] == "FOO=1", cmd  # set here, forwarded by name below
     for name in ("FOO", "NCCL_DEBUG", "SMDDP_X", "PYTHONPATH", "OMP_NUM_THREADS"):
         assert f"-x {name} " in cmd, name
-    assert cmd.endswith(f"--bind-to none {sys.executable} -m smddp._bootstrap missing_train.py --epochs 1"), cmd
+    assert cmd.endswith(f"--bind-to none {sys.executable} -m smddp.launch.bootstrap missing_train.py --epochs 1"), cmd
     assert re.search(r" --mca btl self,(sm|vader) ", cmd), cmd  # one host: shared memory only
     assert "Traceback" not in result.stderr  # nothing ran
 
@@ -188,14 +189,14 @@ def test_dry_run_of_local_processes():
         for assignment in (f"RANK={rank}", "WORLD_SIZE=2", f"LOCAL_RANK={rank}", "LOCAL_WORLD_SIZE=2",
                            "MASTER_ADDR=127.0.0.1", f"SMDATAPARALLEL_LOCAL_RANK={rank}"):
             assert f" {assignment} " in f" {line} ", (assignment, line)
-        assert line.endswith("-m smddp._bootstrap train.py --lr 1")
+        assert line.endswith("-m smddp.launch.bootstrap train.py --lr 1")
 
 
 def test_local_job_fails_when_every_rank_fails_at_once(tmp_path):
     # Ranks that all exit before the supervisor's first look still make the job fail.
     import io
 
-    from smddp._local_job import LocalJob
+    from smddp.launch.local_job import LocalJob
 
     fail = [sys.executable, "-c", "import sys; sys.exit(3)"]
     for _ in range(3):
@@ -243,14 +244,14 @@ def test_clear_errors_instead_of_a_start(tmp_path):
 def test_alias_is_smddp_itself_and_can_be_turned_off():
     import smddp.torch.distributed as smddp_dist
 
-    assert _smdistributed_finder.enable()
+    assert alias_finder.enable()
     try:
         import smdistributed.dataparallel.torch.distributed as sm_dist
 
         assert sm_dist is smddp_dist
         assert smddp_dist.__spec__.name == "smddp.torch.distributed"
     finally:
-        _smdistributed_finder.disable()
+        alias_finder.disable()
     assert "smdistributed" not in sys.modules
     with pytest.raises(ImportError):
         import smdistributed  # noqa: F401
@@ -351,7 +352,7 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path, launcher):
     result = run([*PY_LAUNCH, "--launcher", launcher, "-np", str(ranks), HOLD, str(tmp_path), "1"], timeout=60)
     assert result.returncode != 0, result.output
     assert "RuntimeError: rank 1 fails on purpose" in result.stderr, result.output
-    assert "smddp/_bootstrap.py" not in result.stderr  # the traceback shows the user's frames only
+    assert "smddp/launch/bootstrap.py" not in result.stderr  # the traceback shows the user's frames only
     assert_none_left(tmp_path, ranks)
     print(f"{launcher}: job ended {time.monotonic() - start:.1f} s after start")
 

@@ -1,6 +1,6 @@
 """One agreed layout per group (issue 33): hosts built differently run one job; topology from the group.
 
-- ``smddp.comm.layout.agree``'s rules, in-process over a store (no launcher needed);
+- ``smddp.comm.planes.layout.agree``'s rules, in-process over a store (no launcher needed);
 - two "hosts" made with ``SMDDP_HOST_ID``, one with the compiled core and one on the Python path,
   with other ``SMDDP_SHM_*`` sizes and another threshold: all-reduces of 4 KB to 64 MB exact on
   every rank, over MPI and over gloo (``tests/scripts/mixed_hosts.py``);
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as tdist
 
-from smddp.comm import layout
+from smddp.comm.planes import layout
 from smddp.errors import BackendUnavailableError
 
 from launchers import ROOT, SCRIPTS, free_port, mpirun, rank_lines, run, torchrun

@@ -21,16 +21,16 @@ import torch.distributed as tdist
 from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
 from nccl_standin import install
 
-from smddp import _excepthook
-from smddp._topology import Topology
 from smddp.comm.algorithms import derived
-from smddp.comm.backends.nccl import NCCL_2_10
+from smddp.comm.backends.nccl.communicator import NCCL_2_10
 from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import ARITHMETIC, Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.engine.handle import _cpp_future
 from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import InvalidArgumentError, InvalidTypeError
+from smddp.job import excepthook
+from smddp.job.topology import Topology
 
 
 @pytest.fixture
@@ -405,7 +405,7 @@ def test_a_world_made_again_after_a_subgroup_meets_under_the_same_key(fake):
             return t
         finally:
             sub.close()
-            _excepthook.forget(sub)
+            excepthook.forget(sub)
             comms["cpu"].close()
 
     def second(r, engine, nccl_comm):
@@ -427,7 +427,7 @@ def test_device_id_is_read_where_torch_creates_the_group():
 
     import torch.distributed.distributed_c10d as c10d
 
-    from smddp.torch import _compat
+    from smddp import _compat
 
     assert "device_id" in inspect.signature(c10d._new_process_group_helper).parameters
 

@@ -23,14 +23,14 @@ import torch.distributed as tdist
 from nccl_ranks import expected_reduce, run_ranks, seeded
 from nccl_standin import install
 
-from smddp._info_probe import MARKER
-from smddp._topology import Topology
-from smddp.comm.backends import nccl_lane
-from smddp.comm.backends.nccl import NCCLCommunicator, load_nccl, nccl_dtypes, nccl_ops
-from smddp.comm.backends.nccl_cupy import _DTYPE_CODES, _OP_CODES
-from smddp.comm.backends.nccl_uid import share_unique_id
+from smddp.comm.backends.nccl import lane
+from smddp.comm.backends.nccl.bindings import _DTYPE_CODES, _OP_CODES
+from smddp.comm.backends.nccl.communicator import NCCLCommunicator, load_nccl, nccl_dtypes, nccl_ops
+from smddp.comm.backends.nccl.unique_id import share_unique_id
 from smddp.comm.base import Context, Op
 from smddp.errors import CollectiveError
+from smddp.info.probe import MARKER
+from smddp.job.topology import Topology
 
 from launchers import ROOT, python
 
@@ -153,7 +153,7 @@ def test_cupys_error_creating_the_communicator_reaches_the_caller_in_words(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(nccl_lane, "_use_cupy_device", lambda index: None)
+    monkeypatch.setattr(lane, "_use_cupy_device", lambda index: None)
     topology = Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none")
     comm = NCCLCommunicator(Context(topology, timedelta(seconds=30), tdist.HashStore()))
     assert comm._lane is None  # nothing made at init, as torch's NCCL group
@@ -175,7 +175,7 @@ def test_smddp_info_imports_torch_before_cupy(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text(
         "import sys\n__version__ = 'after torch' if 'torch' in sys.modules else 'before torch'\n")
-    result = python(["-m", "smddp._info_probe"], timeout=120, env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    result = python(["-m", "smddp.info.probe"], timeout=120, env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
     assert result.returncode == 0, result.output
     line = next(line for line in result.stdout.splitlines() if line.startswith(MARKER))
     assert json.loads(line[len(MARKER):])["cupy"]["version"] == "after torch"

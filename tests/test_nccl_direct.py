@@ -1,4 +1,4 @@
-"""The direct path of NCCL all-reduces (smddp/comm/backends/nccl_direct.py) on the host-memory stand-in.
+"""The direct path of NCCL all-reduces (smddp/comm/backends/nccl/direct.py) on the host-memory stand-in.
 
 What torch's NCCL group does is the contract: a synchronous all-reduce runs on the caller's
 current stream and leaves nothing to track; an asynchronous one runs on the group's stream and
@@ -20,9 +20,9 @@ import torch
 from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
 from nccl_standin import HostStream, install
 
-from smddp.comm.backends import nccl_pending
-from smddp.comm.backends.nccl_direct import StreamWork
-from smddp.comm.backends.nccl_watch import Watchdog
+from smddp.comm.backends.nccl import pending
+from smddp.comm.backends.nccl.direct import StreamWork
+from smddp.comm.backends.nccl.watchdog import Watchdog
 from smddp.comm.base import Op, Pending
 from smddp.comm.engine import Handle
 from smddp.errors import WaitTimeout
@@ -50,7 +50,7 @@ def _count_new(monkeypatch, cls) -> list:
 def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_track(monkeypatch):
     fake = install(monkeypatch, deferred=True)
     handles = _count_new(monkeypatch, Handle)
-    pendings = _count_new(monkeypatch, nccl_pending.StreamOrdered)
+    pendings = _count_new(monkeypatch, pending.StreamOrdered)
 
     def body(r, engine, nccl_comm):
         _opened(engine)

@@ -19,13 +19,13 @@ import torch.distributed as tdist
 from nccl_ranks import JOIN, expected_reduce, run_ranks, seeded
 from nccl_standin import install
 
-from smddp import _excepthook
-from smddp._topology import Topology
-from smddp.comm.backends import nccl_errors
+from smddp.comm.backends.nccl import failures
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
+from smddp.job import excepthook
+from smddp.job.topology import Topology
 
 from launchers import ROOT, python
 
@@ -183,7 +183,7 @@ def test_a_subgroup_times_out_naming_global_ranks(fake):
             return t, str(err.value)
         finally:
             sub.close()
-            _excepthook.forget(sub)
+            excepthook.forget(sub)
             comms["cpu"].close()
 
     results = run_ranks(fake, 3, body, timeout=20.0, with_store=True)
@@ -208,7 +208,7 @@ def test_by_default_a_deadline_that_passes_ends_the_process_without_an_abort(mon
         for c in mine:
             c.abort()  # as the process's end would: its peers see it gone
 
-    monkeypatch.setattr(nccl_errors, "end_process", end_process)
+    monkeypatch.setattr(failures, "end_process", end_process)
     others_done = threading.Barrier(2, timeout=JOIN)
 
     def body(r, engine, nccl_comm):
@@ -226,14 +226,14 @@ def test_by_default_a_deadline_that_passes_ends_the_process_without_an_abort(mon
 
 
 def test_the_mode_comes_from_smddps_variable_else_torchs():
-    assert nccl_errors.error_handling({}) == 3
-    assert nccl_errors.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == 1
-    assert nccl_errors.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    assert failures.error_handling({}) == 3
+    assert failures.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == 1
+    assert failures.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                                        "SMDDP_NCCL_ASYNC_ERROR_HANDLING": "2"}) == 2
     with pytest.raises(InvalidArgumentError, match="SMDDP_NCCL_ASYNC_ERROR_HANDLING must be 0, 1, 2 or 3"):
-        nccl_errors.error_handling({"SMDDP_NCCL_ASYNC_ERROR_HANDLING": "7"})
-    assert [nccl_errors.aborts(m) for m in range(4)] == [False, True, True, False]
-    assert [nccl_errors.ends_process(m) for m in range(4)] == [False, True, False, True]
+        failures.error_handling({"SMDDP_NCCL_ASYNC_ERROR_HANDLING": "7"})
+    assert [failures.aborts(m) for m in range(4)] == [False, True, True, False]
+    assert [failures.ends_process(m) for m in range(4)] == [False, True, False, True]
 
 
 TEAR_DOWN_SCRIPT = """
@@ -304,9 +304,9 @@ def test_an_abort_that_blocks_ends_the_process_and_nothing_reaches_the_communica
     (recorded), and a call made meanwhile never reaches the communicator being aborted."""
     fake = _cleanup_only(monkeypatch)
     fake.abort_blocks.set()
-    monkeypatch.setattr(nccl_errors, "ABORT_GRACE", 0.5)
+    monkeypatch.setattr(failures, "ABORT_GRACE", 0.5)
     ended = []
-    monkeypatch.setattr(nccl_errors, "end_process", lambda error, rank, mode: ended.append((str(error), rank)))
+    monkeypatch.setattr(failures, "end_process", lambda error, rank, mode: ended.append((str(error), rank)))
     others_done = threading.Barrier(2, timeout=JOIN)
 
     def body(r, engine, nccl_comm):

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from smddp._topology import Topology
 from smddp.comm.algorithms import derived
-from smddp.comm.backends.nccl import (
+from smddp.comm.backends.nccl.bindings import CONVERTED
+from smddp.comm.backends.nccl.communicator import (
     NCCL_2_10,
     NCCLCommunicator,
     all_to_all_plan,
@@ -31,12 +31,12 @@ from smddp.comm.backends.nccl import (
     share_unique_id,
     stream_mode,
 )
-from smddp.comm.backends.nccl_cupy import CONVERTED
-from smddp.comm.backends.nccl_uid import encode
+from smddp.comm.backends.nccl.unique_id import encode
 from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import Context, Op
 from smddp.comm.engine import Engine
 from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError
+from smddp.job.topology import Topology
 
 ONE = Topology()  # plain `python train.py`
 MPI2 = Topology(rank=0, size=2, local_size=2, launcher="openmpi")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 REPORT = """\
 import argparse, json, os, sys
-from smddp._topology import discover
+from smddp.job.topology import discover
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from smddp.comm.backends.shm_segment import pid_namespace, sweep_stale
-from smddp.comm.cpu import settings
+from smddp.comm.planes.choose import settings
+from smddp.comm.planes.shm_segment import pid_namespace, sweep_stale
 
 from launchers import SCRIPTS, mpirun, rank_lines, torchrun, untagged
 
@@ -48,9 +48,9 @@ def assert_all_ranks_passed(result, size: int, plane: str, core: str = "") -> No
 
 def test_the_compiled_core_is_built():
     # The README's install builds it; without it the plane runs (slower) in Python.
-    from smddp.comm.backends import shm
+    from smddp.comm.planes import shm
 
-    assert shm.native is not None, "smddp/comm/backends/_shm_native.c was not built: pip install -e . again"
+    assert shm.native is not None, "smddp/comm/planes/_shm_native.c was not built: pip install -e . again"
     assert settings({}).native and not settings({"SMDDP_SHM_NATIVE": "0"}).native
     # Both implementations stop at the ranks whose epoch words the segment's header holds.
     assert shm.native.MAX_RANKS == shm.MAX_LOCAL_RANKS == 64
@@ -147,7 +147,7 @@ def test_kill_9_leaves_nothing_behind():
 
 
 def test_segment_names_smddp_makes_and_refuses(monkeypatch):
-    from smddp.comm.backends import shm_segment
+    from smddp.comm.planes import shm_segment
 
     for bad in ("/dev/shm/smddp-shm-x", "smddp-shm-../etc", "smddp-shm-a/b", "smddp-shm-", "smddp-shm-a.b",
                 "other-x", "smddp-shm-" + "x" * 201, "smddp-shm-\u00e9", "smddp-shm-x\n", None):

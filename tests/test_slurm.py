@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from smddp._topology import SLURM_BASE_PORT
+from smddp.job.topology import SLURM_BASE_PORT
 
 from launchers import ROOT, SCRIPTS, base_env, free_port, rank_lines, run
 

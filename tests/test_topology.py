@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from smddp import _runtime
-from smddp._topology import Topology, discover
 from smddp.errors import InvalidArgumentError
+from smddp.job import runtime
+from smddp.job.topology import Topology, discover
 
 CASES = [
     ("plain python", {}, Topology()),
@@ -56,7 +56,7 @@ CASES = [
                                           "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_SIZE": "16",
                                           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"},
      Topology(9, 16, 1, 8, 1, None, None, "openmpi")),
-    # smddp._bootstrap exports RANK/WORLD_SIZE under mpirun: the MPI variables still decide.
+    # smddp.launch.bootstrap exports RANK/WORLD_SIZE under mpirun: the MPI variables still decide.
     ("MPI wins over an agreeing RANK", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                                         "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
                                         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
@@ -126,7 +126,7 @@ MPI_RANK1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COM
 def test_runtime_variables_from_the_launcher():
     env = {**MPI_RANK1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
            "SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"}
-    added = _runtime.fill(env, discover(env))
+    added = runtime.fill(env, discover(env))
     assert added == {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
                      "SMDATAPARALLEL_LOCAL_RANK": "1", "SAGEMAKER_INSTANCE_TYPE": "ml.p4d.24xlarge"}
     assert discover(env).launcher == "openmpi"  # what was exported does not change who launched
@@ -135,7 +135,7 @@ def test_runtime_variables_from_the_launcher():
 def test_runtime_variables_set_by_the_user_win():
     env = {**MPI_RANK1, "LOCAL_RANK": "0", "SMDATAPARALLEL_LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1",
            "SAGEMAKER_INSTANCE_TYPE": "ml.g5.xlarge", "SM_CURRENT_INSTANCE_TYPE": "ml.p4d.24xlarge"}
-    _runtime.fill(env, discover(env))
+    runtime.fill(env, discover(env))
     assert (env["LOCAL_RANK"], env["SMDATAPARALLEL_LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
         "0", "0", "a", "1")
     assert env["SAGEMAKER_INSTANCE_TYPE"] == "ml.g5.xlarge"
@@ -148,19 +148,19 @@ def test_runtime_variables_set_by_the_user_win():
     ({}, None),
 ])
 def test_instance_type(env, expected):
-    assert _runtime.instance_type(env) == expected
+    assert runtime.instance_type(env) == expected
 
 
 def test_a_plain_process_is_not_given_a_rank():
     env = {"PATH": "/bin"}
-    assert _runtime.fill(env, discover(env)) == {}
+    assert runtime.fill(env, discover(env)) == {}
     assert not discover(env).distributed
 
 
 def test_slurm_task_gets_the_derived_address_and_port():
     env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
            "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_JOB_ID": "55"}
-    _runtime.fill(env, discover(env))
+    runtime.fill(env, discover(env))
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "2", "n3", "15055")
 
 
@@ -172,4 +172,4 @@ def test_master_port_in_use_is_named_on_rank_0():
         env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         with pytest.raises(InvalidArgumentError, match=f"MASTER_PORT={port} .*already in use"):
-            _runtime.fill(env, discover(env))
+            runtime.fill(env, discover(env))

@@ -10,7 +10,6 @@ import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
 
-from smddp._excepthook import abort_job
 from smddp.bench.adapters import Impl, SmddpImpl, TorchImpl
 from smddp.bench.output import Progress, Report, mean_busbw, write_csv, write_plot
 from smddp.bench.runner import Row, Runner
@@ -26,6 +25,7 @@ from smddp.bench.sizes import (
     sweep,
     torch_dtype,
 )
+from smddp.job.excepthook import abort_job
 
 #: One table: (op, implementation, dtype name, redop or "none").
 Section = Tuple[str, Impl, str, str]
@@ -183,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     import smddp.torch.distributed as dist
-    from smddp._topology import discover
+    from smddp.job.topology import discover
 
     topology = discover(os.environ)
     if args.device in ("auto", "cuda") and torch.cuda.is_available():

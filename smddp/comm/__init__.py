@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from smddp import knobs
-from smddp._topology import Topology
 from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL  # noqa: F401 - re-exported
 from smddp.errors import BackendUnavailableError
+from smddp.job.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def register(info: BackendInfo) -> None:
 # Device backends: each moves its device's tensors; its class's build(ctx) adds a CPU
 # communicator for CPU tensors (smddp/comm/backends/devices.py).
 for _info in (
-    BackendInfo("nccl", "smddp.comm.backends.nccl:NCCLCommunicator", "cuda", CUDA_INSTALL,
+    BackendInfo("nccl", "smddp.comm.backends.nccl.communicator:NCCLCommunicator", "cuda", CUDA_INSTALL,
                 "NCCL through CuPy on torch's current CUDA stream; the default on CUDA"),
     BackendInfo("torch-nccl", "smddp.comm.backends.torch_native:TorchNCCLCommunicator", "cuda",
                 TORCH_CUDA_INSTALL, "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
@@ -217,7 +217,7 @@ def backend_class(name: str):
 def create_communicators(name: str, ctx) -> Dict[str, object]:
     """Build backend ``name``'s communicators: device type to communicator.
 
-    CPU tensors get :func:`smddp.comm.cpu.build`'s communicator: the backend's own (``mpi``,
+    CPU tensors get :func:`smddp.comm.planes.choose.build`'s communicator: the backend's own (``mpi``,
     ``gloo``) composed with the fastest plane the group's layout allows (shared memory
     within a host), under any launcher. A device backend's class may define ``build(ctx)``
     returning several (it adds the CPU communicator through ``ctx.cpu``); otherwise one
@@ -227,14 +227,14 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
     Raises:
         BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
     """
-    from smddp.comm import cpu  # imports torch: not at the registry's import
+    from smddp.comm.planes import choose  # imports torch: not at the registry's import
 
-    found = cpu.settings()
+    found = choose.settings()
     if name in ("mpi", "gloo"):
-        return {"cpu": cpu.build(name, ctx, found)}
+        return {"cpu": choose.build(name, ctx, found)}
     cls = backend_class(name)
-    companion = cpu.companion(ctx.topology, _has_module("mpi4py"), found)
-    ctx = dataclasses.replace(ctx, cpu=lambda c: cpu.build(companion, c, found))
+    companion = choose.companion(ctx.topology, _has_module("mpi4py"), found)
+    ctx = dataclasses.replace(ctx, cpu=lambda c: choose.build(companion, c, found))
     build = getattr(cls, "build", None)
     if build is not None:
         return build(ctx)

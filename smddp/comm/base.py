@@ -25,14 +25,14 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from smddp._topology import Topology
 from smddp.errors import BackendUnavailableError, InvalidTypeError
+from smddp.job.topology import Topology
 
 
 class Op(enum.Enum):
     """Reduction operations a communicator understands.
 
-    Their order gives their codes (:data:`smddp.comm.fingerprint.OPS`, the compiled core's
+    Their order gives their codes (:data:`smddp.comm.mismatch.fingerprint.OPS`, the compiled core's
     ``R_*`` in ``_shm_fold.h``): a new one goes at the end. The bitwise ones (:data:`BITWISE`)
     take integer and bool tensors (:func:`check_reduction`).
     """
@@ -278,7 +278,7 @@ class Context:
     device: Optional[torch.device] = None
     #: Makes the group's CPU communicator next to a device backend's (set by the registry).
     cpu: Optional[Callable[[Context], Communicator]] = None
-    #: The group's agreed layout (:class:`smddp.comm.layout.Layout`), once its ranks have met.
+    #: The group's agreed layout (:class:`smddp.comm.planes.layout.Layout`), once its ranks have met.
     layout: Optional[Any] = None
 
 
@@ -312,16 +312,16 @@ class Communicator(abc.ABC):
     on_timeout: Optional[Callable[[int, str], BaseException]] = None
 
     #: Why this communicator's plane was chosen, and the settings it was chosen with (set by
-    #: :mod:`smddp.comm.cpu` on CPU communicators; subgroups reuse the settings).
+    #: :mod:`smddp.comm.planes.choose` on CPU communicators; subgroups reuse the settings).
     plane_reason: str = ""
     plane_settings: Optional[Any] = None
-    #: The group's agreed layout (:class:`smddp.comm.layout.Layout`; None for a group of one).
+    #: The group's agreed layout (:class:`smddp.comm.planes.layout.Layout`; None for a group of one).
     layout: Optional[Any] = None
 
     #: A stream-ordered communicator's direct path for all-reduces, once it has one: an object whose
     #: ``all_reduce(tensor, op, seq, name, async_op)`` enqueues the collective and returns a ``Work``
     #: (asynchronous) or None, with nothing for the engine to track, or its ``REFUSED`` having sent
-    #: nothing (:mod:`smddp.comm.backends.nccl_direct`). None: every call takes the general path.
+    #: nothing (:mod:`smddp.comm.backends.nccl.direct`). None: every call takes the general path.
     direct: Optional[Any] = None
 
     #: Data moves only while a thread calls into the library (MPI, shared memory), not on

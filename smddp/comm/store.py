@@ -15,7 +15,7 @@ torchrun's agent store, which every restart attempt shares (torch's own ``env://
 prefixes attempts, pytorch/pytorch#135712). :func:`world_namespace` is the key prefix that
 makes one world's keys its own in such a store.
 
-The store has no authentication, so rank 0 listens only where it must (:mod:`smddp._sockets`):
+The store has no authentication, so rank 0 listens only where it must (:mod:`smddp.job.sockets`):
 on loopback when the job is on one host, on ``SMDDP_SOCKET_IFNAME``'s address when set, and on
 every interface (torch's default) only for a job across hosts without it.
 """
@@ -28,11 +28,11 @@ from typing import Any, Dict, Mapping, Tuple
 
 import torch.distributed as tdist
 
-from smddp import _mca, _runtime, _sockets
-from smddp._topology import Topology
-from smddp._wire import bcast_json
 from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.job import mca, runtime, sockets
+from smddp.job.topology import Topology
+from smddp.job.wire import bcast_json
 
 
 def make_store(topology: Topology, timeout: timedelta):
@@ -108,12 +108,12 @@ def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
     Raises:
         InvalidArgumentError: the port is taken, or ``SMDDP_SOCKET_IFNAME`` names no usable interface.
     """
-    bind = _sockets.store_address(host, _sockets.one_host(topology))
+    bind = sockets.store_address(host, sockets.one_host(topology))
     # multi_tenant, as torch's own env:// and tcp:// stores: a later torch store on the same port
     # in this process (init_method="tcp://MASTER_ADDR:MASTER_PORT") shares this server.
     if bind is None:
         return tdist.TCPStore(host, port, topology.size, True, timeout, wait_for_workers=False, multi_tenant=True)
-    sock = _sockets.listening_socket(bind, port)
+    sock = sockets.listening_socket(bind, port)
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here
     try:
@@ -126,7 +126,7 @@ def server_store(host: str, port: int, topology: Topology, timeout: timedelta):
 
 
 def _store_over_mpi(topology: Topology, timeout: timedelta):
-    _mca.one_host_defaults()
+    mca.one_host_defaults()
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -137,7 +137,7 @@ def _store_over_mpi(topology: Topology, timeout: timedelta):
     address = None
     store = None
     if comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or _runtime.local_address(topology)
+        host = os.environ.get("MASTER_ADDR") or runtime.local_address(topology)
         store = server_store(host, 0, topology, timeout)
         address = [host, store.port]
     # As JSON in a buffer broadcast: mpi4py's lowercase bcast would unpickle what arrives.

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence
 
-from smddp._topology import Topology
 from smddp.comm.base import Communicator, Context
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.job.topology import Topology
 
 
 def group_topology(world: Topology, ranks: Sequence[int]) -> Topology:
@@ -94,12 +94,12 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
     if found is not None:
         # A CPU communicator of the world's kind: the members' own flat one, then the best
         # plane for where they are (a subgroup on one host gets shared memory).
-        from smddp.comm import cpu
+        from smddp.comm.planes import choose
 
-        ctx = cpu.meet(ctx, found)  # the members' own layout: their hosts, their settings
+        ctx = choose.meet(ctx, found)  # the members' own layout: their hosts, their settings
         flat = _flat(getattr(comm, "flat", comm), ranks, ctx)
         try:
-            return cpu.compose(flat, ctx, found, f"g{len(ranks)}")
+            return choose.compose(flat, ctx, found, f"g{len(ranks)}")
         except BaseException:
             flat.close()
             raise

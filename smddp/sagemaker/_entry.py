@@ -4,7 +4,7 @@
 finds this process's emulated host from its rank (ranks fill hosts in order), exports that
 host's SageMaker container environment (``SM_*``), makes the launcher's local rank and size
 count within the emulated host, lets Hugging Face and accelerate take SageMaker's data-parallel
-switch on CPU (:mod:`smddp._sagemaker_switch`), then runs the script as ``python script.py
+switch on CPU (:mod:`smddp.launch.sagemaker_switch`), then runs the script as ``python script.py
 args`` would.
 An uncaught error is written to the host's ``output/failure`` file, as SageMaker's training
 toolkit does, so the estimator can report it.
@@ -19,8 +19,9 @@ import sys
 import traceback
 from typing import Mapping, MutableMapping
 
-from smddp import _runtime, _sagemaker_switch
-from smddp._topology import discover
+from smddp.job import runtime
+from smddp.job.topology import discover
+from smddp.launch import sagemaker_switch
 
 # Launcher variables for (local rank, local size, node rank), by launcher.
 _LOCAL_VARS = (
@@ -74,10 +75,10 @@ def main() -> None:
     with open(sys.argv[1]) as spec_file:
         spec = json.load(spec_file)
     host_environment(spec, os.environ)
-    instance_type = _runtime.instance_type(os.environ)  # known only now, from the host's SM_* values
+    instance_type = runtime.instance_type(os.environ)  # known only now, from the host's SM_* values
     if instance_type:
         os.environ.setdefault("SAGEMAKER_INSTANCE_TYPE", instance_type)
-    _sagemaker_switch.apply()  # SM_FRAMEWORK_PARAMS is known only now
+    sagemaker_switch.apply()  # SM_FRAMEWORK_PARAMS is known only now
     script, args = sys.argv[2], sys.argv[3:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

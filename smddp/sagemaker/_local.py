@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import smddp
-from smddp import launch
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, UnsafePathError
+from smddp.launch import smddprun
 from smddp.sagemaker import _distribution
 from smddp.sagemaker._container import Container, cmd_args, job_hyperparameters, split_hyperparameters
 from smddp.sagemaker._job import JobFailedError, TrainingJob
@@ -133,7 +133,7 @@ def launch_command(nprocs: int, dist: _distribution.Distribution, program: Seque
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
                 "-m", "smddp.alias", *entry]
     cmd = [sys.executable, "-m", "smddp.launch", "-np", str(nprocs)]
-    if launch.find_mpirun(os.environ) is not None:
+    if smddprun.find_mpirun(os.environ) is not None:
         cmd += ["--launcher", "mpirun"]
     if dist.mpi_options:
         cmd.append(f"--mpi-args={shlex.join(dist.mpi_options)}")

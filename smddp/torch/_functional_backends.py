@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as tdist
 
-from smddp.torch import _compat
+from smddp import _compat
 
 
 def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:

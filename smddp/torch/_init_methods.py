@@ -21,8 +21,8 @@ import os
 from typing import Callable
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
-from smddp._topology import discover
-from smddp.torch import _compat
+from smddp import _compat
+from smddp.job.topology import discover
 
 
 def _env_or_launcher(original: Callable) -> Callable:

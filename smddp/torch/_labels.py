@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from smddp.torch import _compat
+from smddp import _compat
 
 #: An all-reduce started inside autograd's backward: DDP's reducer reducing a gradient bucket.
 DDP_GRADIENTS = "during backward: DDP gradients"

@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from smddp import comm
-from smddp._topology import discover
+from smddp import _compat, comm
 from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.store import make_store
@@ -34,7 +33,8 @@ from smddp.errors import (
     InvalidTypeError,
     NotInitializedError,
 )
-from smddp.torch import _compat, _repeated_init, groups, process_group
+from smddp.job.topology import discover
+from smddp.torch import _repeated_init, groups, process_group
 
 __all__ = [
     "ReduceOp",

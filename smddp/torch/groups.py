@@ -29,14 +29,14 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from smddp import comm, knobs
-from smddp._topology import Topology, discover
+from smddp import _compat, comm, knobs
 from smddp.comm import subgroups
 from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
-from smddp.torch import _compat, _functional_backends, _init_methods, _labels
+from smddp.job.topology import Topology, discover
+from smddp.torch import _functional_backends, _init_methods, _labels
 from smddp.torch.process_group import BACKEND_NAME, SmddpProcessGroup
 
 __all__ = ["current", "create", "destroy", "register", "request_backend", "resolve_timeout"]
@@ -158,7 +158,7 @@ def _world_topology_for(rank: int, size: int) -> Topology:
     launcher = "explicit" if found.launcher == "none" else found.launcher
     # Ranks given as arguments (Lightning's launcher, mp.spawn) where the environment counts another
     # world: nothing here says which ranks share this host, so none is claimed; the group's agreed
-    # layout finds the host-mates (smddp.comm.layout) and gives the local rank.
+    # layout finds the host-mates (smddp.comm.planes.layout) and gives the local rank.
     local_size = found.local_size if found.size == size else 1
     return dataclasses.replace(
         found, rank=rank, size=size, local_size=local_size, local_rank=rank % local_size,

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 import smddp.torch.distributed as dist  # noqa: E402
 import smddp.torch.parallel  # noqa: E402
-from smddp._topology import discover  # noqa: E402
+from smddp.job.topology import discover  # noqa: E402
 from smddp.torch import groups  # noqa: E402
 from smddp.torch.parallel import _hook  # noqa: E402
 from smddp.torch.parallel.distributed import DistributedDataParallel as DDP  # noqa: E402

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from smddp._topology import discover
+from smddp.job.topology import discover
 
 piddir, failing = Path(sys.argv[1]), int(sys.argv[2])
 topo = discover(os.environ)

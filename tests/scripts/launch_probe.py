@@ -16,7 +16,7 @@ from smdistributed.dataparallel.torch.parallel import DistributedDataParallel as
 from smdistributed.dataparallel.torch.parallel.distributed import DistributedDataParallel as SmDDP
 
 import smddp.torch.distributed as smddp_dist
-from smddp._topology import discover
+from smddp.job.topology import discover
 from smddp.torch.parallel.distributed import DistributedDataParallel
 
 topo = discover(os.environ)

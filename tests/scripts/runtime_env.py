@@ -1,6 +1,6 @@
 """Prints the runtime variables this process got and checks torch's env:// on them, for tests/test_runtime.py.
 
-One line per rank: ``RUNTIME <RANK> <json>`` with every variable of ``smddp._runtime.VARIABLES``
+One line per rank: ``RUNTIME <RANK> <json>`` with every variable of ``smddp.job.runtime.VARIABLES``
 as the process found it, and (with ``--init``) what ``init_process_group(backend="smddp",
 init_method="env://")`` then made of them. The script itself reads only the environment, as
 AWS's examples do.
@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from smddp._runtime import VARIABLES
+from smddp.job.runtime import VARIABLES
 
 report = {name: os.environ.get(name) for name in VARIABLES}
 report["job"] = os.environ.get("SLURM_JOB_ID")

@@ -29,9 +29,9 @@ torch.set_num_threads(1)
 
 import smddp  # noqa: E402
 import smddp.torch.torch_smddp  # noqa: E402, F401
-from smddp._topology import discover  # noqa: E402
-from smddp.comm.backends import hostmates, shm_segment  # noqa: E402
+from smddp.comm.planes import hostmates, shm_segment  # noqa: E402
 from smddp.comm.store import make_store  # noqa: E402
+from smddp.job.topology import discover  # noqa: E402
 from smddp.torch import groups  # noqa: E402
 
 MODE = sys.argv[1]

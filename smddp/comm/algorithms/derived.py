@@ -32,7 +32,7 @@ import torch
 
 from smddp.comm.base import DONE, Op, Pending, flat, reduce_rows, then
 from smddp.comm.engine import Engine, Handle
-from smddp.comm.engine.checks import check_writable
+from smddp.comm.engine.arguments import check_writable
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
 

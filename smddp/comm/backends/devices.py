@@ -30,7 +30,7 @@ def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator]
         device_type: the device type the device communicator serves (``"cuda"``, ``"xpu"``).
         make: creates the device communicator.
         ctx: the job's context; ``ctx.cpu(ctx)`` makes the CPU communicator (the registry sets
-            it: :func:`smddp.comm.cpu.build` over the launcher's CPU backend).
+            it: :func:`smddp.comm.planes.choose.build` over the launcher's CPU backend).
 
     Returns:
         ``{device_type: device_comm, "cpu": cpu_comm}``; the engine treats the first as the
@@ -48,7 +48,7 @@ def with_cpu_companion(device_type: str, make: Callable[[Context], Communicator]
             f"the {device_type} backend needs a CPU communicator for CPU tensors: create it through "
             f"smddp.comm.create_communicators")
     cpu_comm = ctx.cpu(ctx)
-    # The CPU communicator's ranks have met (smddp.comm.layout): where no launcher counted this
+    # The CPU communicator's ranks have met (smddp.comm.planes.layout): where no launcher counted this
     # host's ranks, its local rank is the group's, and picks this rank's device.
     topology = dataclasses.replace(ctx.topology, local_rank=cpu_comm.local_rank, local_size=cpu_comm.local_size)
     try:

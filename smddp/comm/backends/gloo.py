@@ -6,7 +6,7 @@ operation (gloo runs it on its own threads) and completes through its Work.
 reduce_scatter stays the engine's derived one (all_to_all_single, then a local reduction):
 torch's gloo ``_reduce_scatter_base`` stalled on 2 ranks under mpirun (torch 2.13).
 
-Every collective is checked (:mod:`smddp.comm.checked`): it starts with one exchange of the
+Every collective is checked (:mod:`smddp.comm.mismatch.checked`): it starts with one exchange of the
 same length on every rank whatever the call, an all-gather of each rank's row: its
 fingerprint, up to :data:`SMALL_BYTES` of its data, and an all-to-all's split sizes. gloo
 aborts the process (``gloo::EnforceNotMet`` in its own thread, SIGABRT) when ranks post
@@ -29,8 +29,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from smddp import _sockets
-from smddp.comm import checked
 from smddp.comm.backends.gloo_group import gloo_group
 from smddp.comm.base import (
     Communicator,
@@ -43,9 +41,11 @@ from smddp.comm.base import (
     reduce_rows,
     widened,
 )
-from smddp.comm.checked import as_bytes, rows_of
-from smddp.comm.fingerprint import Print, signature
+from smddp.comm.mismatch import checked
+from smddp.comm.mismatch.checked import as_bytes, rows_of
+from smddp.comm.mismatch.fingerprint import Print, signature
 from smddp.errors import BackendUnavailableError
+from smddp.job import sockets
 
 #: Bytes of data that travel in the fingerprint exchange: collectives up to this size take no
 #: other exchange.
@@ -150,7 +150,7 @@ class GlooCommunicator(Communicator):
         # gloo's own limit comes a little after the engine's, so that the engine's timeout,
         # which names the stalled ranks, is the one users see.
         # Listen on loopback only if the group's agreed layout puts every rank on this host.
-        one_host = ctx.layout.one_host if ctx.layout is not None else _sockets.one_host(ctx.topology)
+        one_host = ctx.layout.one_host if ctx.layout is not None else sockets.one_host(ctx.topology)
         self.pg = gloo_group(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10), one_host)
         #: Check collectives larger than :data:`SMALL_BYTES` too, at the cost of one exchange
         #: before gloo's own operation. The hierarchical plane's exchange between hosts turns it

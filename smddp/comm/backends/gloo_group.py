@@ -2,10 +2,10 @@
 
 Each gloo device listens for its peers' connections. torch's default device listens on the
 address of the host's name, reachable from other hosts; smddp binds it as
-:func:`smddp._sockets.gloo_binding` says: ``GLOO_SOCKET_IFNAME`` (torch's variable) or
+:func:`smddp.job.sockets.gloo_binding` says: ``GLOO_SOCKET_IFNAME`` (torch's variable) or
 ``SMDDP_SOCKET_IFNAME`` when set, loopback for a group on one host. Whether the group is on one
 host is the caller's to say, from the group's agreed layout (the host identities its ranks
-exchanged, :mod:`smddp.comm.layout`), never from this process's environment: ranks given to
+exchanged, :mod:`smddp.comm.planes.layout`), never from this process's environment: ranks given to
 ``init_process_group`` by Lightning's launcher or ``mp.spawn`` across hosts leave the
 environment saying nothing, or a world of one. Both smddp's ``gloo``
 plane and the gloo backend every smddp group carries for torch's functional collectives
@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch.distributed as tdist
 
-from smddp import _sockets
+from smddp.job import sockets
 
 
 def devices(one_host: bool, lazy: Optional[bool] = None) -> List:
@@ -30,7 +30,7 @@ def devices(one_host: bool, lazy: Optional[bool] = None) -> List:
         lazy: connect to the peers on first use (None: torch's default).
     """
     gloo = tdist.ProcessGroupGloo
-    binding = _sockets.gloo_binding(one_host)
+    binding = sockets.gloo_binding(one_host)
     if not binding:
         return [gloo.create_default_device(lazy_init=lazy)]
     return [gloo.create_device(**{kind: value}, lazy_init=lazy) for kind, value in binding]

@@ -12,7 +12,7 @@ all-reduce on a worker thread instead (see :data:`LARGE_ALLREDUCE`).
 Buffers are handed to MPI by address (``MPI.buffer.fromaddress``), not through DLPack:
 that costs about 1 us instead of 7 us per call.
 
-all_to_all_single is checked (:mod:`smddp.comm.checked`): every rank's fingerprint and split
+all_to_all_single is checked (:mod:`smddp.comm.mismatch.checked`): every rank's fingerprint and split
 sizes travel first, in one all-gather, so sizes that do not pair up raise
 :class:`~smddp.errors.CollectiveMismatchError` on every rank instead of an MPI error on some. So
 are the all-reduces of the hierarchical plane (:attr:`MPICommunicator.check_all_reduce`), whose
@@ -29,8 +29,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from smddp import _excepthook, _mca, knobs
-from smddp.comm import checked
+from smddp import knobs
 from smddp.comm.base import (
     Communicator,
     Context,
@@ -43,12 +42,14 @@ from smddp.comm.base import (
     reduce_rows,
     widened,
 )
-from smddp.comm.checked import as_bytes, rows_of
-from smddp.comm.fingerprint import Print, signature
+from smddp.comm.mismatch import checked
+from smddp.comm.mismatch.checked import as_bytes, rows_of
+from smddp.comm.mismatch.fingerprint import Print, signature
 from smddp.comm.needs import MPI_INSTALL
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
+from smddp.job import excepthook, mca
 
-_mca.one_host_defaults()
+mca.one_host_defaults()
 try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - exercised where mpi4py is absent
@@ -188,7 +189,7 @@ class MPICommunicator(Communicator):
         """Join ``base`` (default ``MPI_COMM_WORLD``); a subgroup passes its own communicator."""
         super().__init__(ctx)
         _check_thread_level()
-        _excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
+        excepthook.install()  # an uncaught exception on any rank now ends the whole job (MPI_Abort)
         self._ctx = ctx
         self._base = MPI.COMM_WORLD if base is None else base
         self.comm = self._base.Dup()

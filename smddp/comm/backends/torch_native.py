@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (
 )
 
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.nccl_cupy import CONVERTED, check_op
+from smddp.comm.backends.nccl.bindings import CONVERTED, check_op
 from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError

@@ -18,7 +18,7 @@ Every collective, whether it comes from smddp's own functions or from
 - owns every asynchronous operation until it completes, and completes a group's
   collectives in issue order: dropping a handle never changes a result.
 
-The engine owns its argument checks (:attr:`Engine.checks`, :mod:`smddp.comm.engine.checks`) and
+The engine owns its argument checks (:attr:`Engine.checks`, :mod:`smddp.comm.engine.arguments`) and
 inherits its failure state and reports (:mod:`smddp.comm.engine.health`) and the advance of its
 operations in flight (:mod:`smddp.comm.engine.progress`); a caller's view of an operation in flight is a
 :class:`~smddp.comm.engine.handle.Handle` (:mod:`smddp.comm.engine.handle`).
@@ -44,7 +44,7 @@ import torch
 from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
-from smddp.comm.engine.checks import Checks, check_writable
+from smddp.comm.engine.arguments import Checks, check_writable
 from smddp.comm.engine.completer import Completer, completing
 from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
@@ -354,7 +354,7 @@ class Engine(Health, Progress):
         direct = comm.direct
         if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
             # A stream-ordered communicator's direct path: numbered and started here, then
-            # nothing to own (smddp.comm.backends.nccl_direct). Taken with nothing of the general
+            # nothing to own (smddp.comm.backends.nccl.direct). Taken with nothing of the general
             # path in flight, so issue order holds; torch's NCCL group's rules apply from there:
             # the operation is done for the host once it is enqueued.
             name = "all_reduce" if label is None else labelled("all_reduce", label)

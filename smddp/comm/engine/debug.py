@@ -10,7 +10,7 @@ to rank ``j`` is what ``j`` expects from ``i``.
 
 It costs one small all-gather per collective, so it is off by default; when off, the
 engine holds ``None`` instead of a :class:`Checker` and pays one ``is None`` test. The rows
-and their description are :mod:`smddp.comm.fingerprint`'s, shared with the shared-memory
+and their description are :mod:`smddp.comm.mismatch.fingerprint`'s, shared with the shared-memory
 plane, which compares a fingerprint of every collective whatever this setting.
 """
 
@@ -25,7 +25,7 @@ import torch
 from smddp import knobs
 from smddp.comm.base import Communicator, Op, poll
 from smddp.comm.engine.stall import ranks_text
-from smddp.comm.fingerprint import COMPARED, LABEL, SEQ, WIDTH, describe, differing, explain, fingerprint
+from smddp.comm.mismatch.fingerprint import COMPARED, LABEL, SEQ, WIDTH, describe, differing, explain, fingerprint
 from smddp.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:

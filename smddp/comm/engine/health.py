@@ -7,7 +7,7 @@ reports failure:
   every later collective fails at once (:meth:`Health._check_usable`);
 - errors name the collective, its sequence number and this rank (its global rank in a
   subgroup), and, through :mod:`smddp.comm.engine.stall`, where the other ranks are;
-- at exit (:mod:`smddp._excepthook`) a broken job ends every rank, and a healthy one leaves
+- at exit (:mod:`smddp.job.excepthook`) a broken job ends every rank, and a healthy one leaves
   a note for the ranks that may still wait for it.
 """
 
@@ -19,8 +19,8 @@ import time
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import smddp.comm.engine.stall as _stall
-from smddp import _excepthook
 from smddp.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
+from smddp.job import excepthook
 
 if TYPE_CHECKING:
     from smddp.comm.engine.handle import Handle
@@ -51,7 +51,7 @@ class Health:
         self._channel: Optional[_stall.StoreChannel] = None
         if self.size > 1:
             self._channel = self._open_channel(store)
-            _excepthook.watch(self)
+            excepthook.watch(self)
 
     #: For a subgroup: its name and its members' global ranks (group rank i is global_ranks[i]).
     group_name: str = ""
@@ -132,7 +132,7 @@ class Health:
                     pass
             self._channel.close()
         if self._broken is None:
-            _excepthook.forget(self)  # a broken engine still ends the job at exit
+            excepthook.forget(self)  # a broken engine still ends the job at exit
 
     # ------------------------------------------------------------------ where every rank is
     def _open_channel(self, store) -> Optional[_stall.StoreChannel]:
@@ -174,7 +174,7 @@ class Health:
         return " " + text if text else ""
 
     def at_exit(self, failure: Optional[str] = None) -> None:
-        """The interpreter is exiting (called by :mod:`smddp._excepthook`).
+        """The interpreter is exiting (called by :mod:`smddp.job.excepthook`).
 
         A broken job ends at once (under MPI, every rank). Otherwise this rank leaves a note
         for ranks that may still wait for it and, under MPI, waits (answering their
@@ -187,7 +187,7 @@ class Health:
             print(f"smddp: rank {self.rank} is exiting with the job broken ({type(self._broken).__name__}); "
                   f"ending the job now rather than waiting for a collective that will never complete",
                   file=sys.stderr)
-            _excepthook.abort_job(1)
+            excepthook.abort_job(1)
         if self._closed or self._channel is None:
             return
         self._end_note = {"state": "failed", "error": failure} if failure else {"state": "exiting"}
@@ -195,7 +195,7 @@ class Health:
             self._channel.note_end(self.status())
             # Long enough for a rank still in a collective to time out and ask this one.
             wait = self.timeout + 2 * _stall.ANSWER_WAIT + 5
-            if _excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(wait):
+            if excepthook.mpi_running() and not failure and not self._channel.wait_all_ended(wait):
                 print(f"smddp: rank {self.rank}: other ranks have not reached the end of their script within "
                       f"{wait:g} s", file=sys.stderr)
         finally:

@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 from smddp.comm.base import poll
-from smddp.comm.layout import host_identity  # the one definition of "this host" (pid namespace included)
+from smddp.comm.planes.layout import host_identity  # the one definition of "this host" (pid namespace included)
 
 #: Seconds a timed-out rank waits for the other ranks' answers.
 ANSWER_WAIT = 3.0

@@ -18,10 +18,10 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 import smddp.torch.parallel._hook as _hook
+from smddp import _compat
 from smddp.comm.base import Op
 from smddp.comm.engine.handle import DETACHABLE
 from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
-from smddp.torch import _compat
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups
 

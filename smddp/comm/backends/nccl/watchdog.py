@@ -1,0 +1,268 @@
+"""Deadlines for NCCL operations, which the host does not wait for.
+
+An NCCL call returns once the operation is enqueued on a CUDA stream, and waiting on it
+only orders the caller's stream after it (torch's NCCL ``Work.wait()`` does the same), so
+a collective whose peer never arrives stalls the GPU, not the host. A :class:`Watchdog`,
+one thread per communicator as in torch's ProcessGroupNCCL, polls the CUDA event recorded
+after each operation against the operation's deadline. An operation is watched from
+*before* its NCCL call: a call that blocks the host (NCCL connects to peers lazily, inside
+the first operation with each) expires like a stalled kernel.
+
+Each record also holds every tensor the operation's stream reads or writes (``held``) until
+its event completes, as torch's NCCL group stashes them: a tensor the caller drops meanwhile
+is not handed back to the caching allocator while NCCL still uses its memory. An operation on
+the caller's own current stream holds nothing: the allocator orders reuse on that stream.
+
+The callers' path takes no lock: a record is appended to a deque, which only the watchdog's
+thread pops. The thread looks at the oldest records only: it takes the completed ones off in
+order and reads the deadline of the oldest one left (a later operation started later, so its
+deadline is later); it queries events holding no lock. Events of synchronous operations are
+kept in a pool (:meth:`Watchdog.event`) and recorded again once done, as torch caches its own.
+
+An operation enqueued during a CUDA graph capture is not watched (as torch's are not): its
+event would not be a real one. The thread sets its CUDA capture mode to *relaxed* when it
+starts (:func:`relax_capture_mode`), so that its queries of events recorded before a capture
+never invalidate another thread's capture in torch's default (global) mode, where torch's own
+watchdog makes the capture wait until it has nothing left to query.
+
+The thread sets its CUDA device (:attr:`Watchdog.device`) before it looks at an event, so it
+makes no CUDA context on another GPU.
+
+On the first deadline that passes, or the first asynchronous error NCCL reports, the
+watchdog calls ``expire(watched, error)`` once and stops: the communicator decides what
+follows (:mod:`smddp.comm.backends.nccl.failures`).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+import time
+from typing import Any, Callable, Deque, List, Optional
+
+import torch
+
+#: Seconds between two looks at the operations in flight (torch's watchdog: 0.1 s).
+POLL = 0.05
+#: At most this many idle events are kept for reuse.
+POOL = 4096
+#: Seconds between looks while the previous look took off more than :data:`POOL` records
+#: (thousands of calls between two looks): their events come back to the pool sooner.
+BUSY_POLL = 0.005
+
+_monotonic = time.monotonic
+
+#: ``CU_STREAM_CAPTURE_MODE_RELAXED`` (cuda.h's ``CUstreamCaptureMode``).
+_RELAXED = 2
+_relaxed = threading.local()
+
+
+def relax_capture_mode() -> bool:
+    """Let the calling thread query CUDA events while another thread captures a CUDA graph.
+
+    In CUDA's default (global) capture mode, an event query from any thread during a capture is
+    an error that invalidates the capture; a thread in *relaxed* mode may query events (recorded
+    outside any capture) meanwhile. Done once per thread, through the CUDA driver's
+    ``cuThreadExchangeStreamCaptureMode`` (the driver is shared by every CUDA runtime in the
+    process: torch's and CuPy's).
+
+    Returns:
+        True if the thread is in relaxed mode (False where no CUDA driver is found).
+    """
+    done = getattr(_relaxed, "done", None)
+    if done is None:
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+            mode = ctypes.c_int(_RELAXED)
+            done = driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+        except (OSError, AttributeError):
+            done = False
+        _relaxed.done = done
+    return done
+
+
+class Watched:
+    """One NCCL operation under a deadline.
+
+    Attributes:
+        seq: the collective's sequence number.
+        op_name: what was called.
+        deadline: ``time.monotonic()`` by which it must complete.
+        event: the CUDA event recorded after it; None while its NCCL call has not returned.
+        held: what its stream uses (tensors, and the steps queued after it), kept until
+            ``event`` completes.
+        pooled: ``event`` goes back to the watchdog's pool once it completes.
+    """
+
+    __slots__ = ("seq", "op_name", "deadline", "event", "held", "pooled")
+
+    def __init__(self, seq: int, op_name: str, deadline: float, held: Any = ()):
+        self.seq, self.op_name, self.deadline, self.event, self.held = seq, op_name, deadline, None, held
+        self.pooled = False
+
+    def done(self) -> bool:
+        """True once the GPU has finished the operation."""
+        return self.event is not None and self.event.query()
+
+
+class Watchdog:
+    """Polls the operations of one NCCL communicator against their deadlines.
+
+    Args:
+        timeout: seconds each operation may take, from its start.
+        expire: ``expire(watched, error)``, called once from the watchdog's thread: the
+            deadline of ``watched`` passed (``error`` None) or ``check()`` raised ``error``.
+        check: raises NCCL's asynchronous error, if any (a peer died).
+        name: the thread's name.
+    """
+
+    def __init__(self, timeout: float, expire: Callable[[Watched, Optional[BaseException]], None],
+                 check: Callable[[], None], name: str = "smddp-nccl-watchdog"):
+        self.timeout = timeout
+        self._expire, self._check, self._name = expire, check, name
+        #: Operations in flight, oldest first: callers append, only the thread pops.
+        self._inflight: Deque[Watched] = collections.deque()
+        self._wake = threading.Event()
+        self._idle = False
+        self._passed = threading.Condition()  # notified after each look (drain() waits on it)
+        self._start_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        self._expiring = False  # expire() is running: drain() waits for its abort to finish
+        self.expired = False
+        #: Events of completed operations, for :meth:`event`.
+        self._free: List[Any] = []
+        self._taken = 0  # records the latest look took off
+        #: The CUDA device index the thread sets before it looks at events (None: leave it).
+        self.device: Optional[int] = None
+
+    # ------------------------------------------------------------------ the callers' side
+    def start(self, seq: int, op_name: str, held: Any = ()) -> Watched:
+        """Watch an operation about to be enqueued; set its ``event`` once it is.
+
+        Args:
+            seq: its sequence number.
+            op_name: its name, for the error.
+            held: what its stream uses, kept until its event completes.
+
+        Returns:
+            The record; the operation counts as in flight until its event completes.
+        """
+        watched = Watched(seq, op_name, _monotonic() + self.timeout, held)
+        self._inflight.append(watched)  # _add(), inline: on the path of every NCCL call
+        if self._idle:
+            self._wake.set()
+        if self._thread is None:
+            self._start_thread()
+        return watched
+
+    def follow(self, watched: Watched, event, held: Any) -> Watched:
+        """Watch a step queued after ``watched`` on its stream (a copy back): same operation and
+        deadline, ``event`` recorded after the step, ``held`` kept until then."""
+        after = Watched(watched.seq, watched.op_name, watched.deadline, held)
+        after.event = event
+        self._add(after)
+        return after
+
+    def event(self):
+        """A CUDA event to record after an operation, from the pool: give it to a record with
+        ``pooled`` set, and the watchdog takes it back once it has completed."""
+        free = self._free
+        return free.pop() if free else torch.cuda.Event()
+
+    def _add(self, watched: Watched) -> None:
+        self._inflight.append(watched)
+        if self._idle:
+            self._wake.set()
+        if self._thread is None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def drain(self) -> bool:
+        """Wait until every watched operation has completed or the watchdog gave up (and acted).
+
+        Returns:
+            True if they all completed (each within its deadline).
+        """
+        with self._passed:
+            while (self._inflight and not self._stopped) or self._expiring:
+                self._wake.set()
+                self._passed.wait(POLL)
+            return not self._inflight and not self.expired
+
+    def stop(self) -> None:
+        """Stop watching (the communicator is closed or aborted); join the thread unless called from it."""
+        self._stopped = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+        with self._passed:
+            self._passed.notify_all()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)  # events are queried here: no context on GPU 0
+        relax_capture_mode()
+        inflight, empty = self._inflight, 0
+        while not self._stopped:
+            failed, error = self._look()
+            if failed is not None:
+                self._give_up(failed, error)
+                return
+            with self._passed:
+                self._passed.notify_all()
+            empty = 0 if inflight else empty + 1
+            if empty < 2:
+                # Callers do not wake the thread while it polls (a wake-up per call would take the
+                # GIL from them): a record waits at most POLL for its first look.
+                self._wake.wait(BUSY_POLL if self._taken > POOL else POLL)
+                self._wake.clear()
+                continue
+            self._idle = True  # nothing for two looks: sleep until a caller appends
+            if not inflight and not self._stopped:  # a record appended before _idle was set
+                self._wake.wait()
+            self._wake.clear()
+            self._idle = False
+            empty = 0
+
+    def _look(self):
+        """Take completed operations off, oldest first; return the one past its deadline (and
+        None) or the one an asynchronous error fails (and the error), else ``(None, None)``."""
+        inflight, free = self._inflight, self._free
+        self._taken = 0
+        try:
+            self._check()
+        except Exception as exc:  # noqa: BLE001 - NCCL's error, reported through expire()
+            return (inflight[0] if inflight else Watched(0, "an operation in flight", 0.0)), exc
+        while inflight:
+            oldest = inflight[0]
+            event = oldest.event
+            if event is not None and event.query():  # no lock held: the callers never wait on one
+                inflight.popleft()
+                self._taken += 1
+                oldest.held = ()  # the stream is done with them: the allocator may have them back
+                if oldest.pooled and len(free) < POOL:
+                    free.append(event)
+                continue
+            if time.monotonic() > oldest.deadline:
+                return oldest, None
+            break
+        return None, None
+
+    def _give_up(self, failed: Watched, error: Optional[BaseException]) -> None:
+        self.expired = self._stopped = self._expiring = True
+        try:
+            self._expire(failed, error)
+        finally:
+            self._expiring = False
+            self._inflight.clear()
+            with self._passed:
+                self._passed.notify_all()

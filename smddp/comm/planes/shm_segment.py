@@ -1,0 +1,322 @@
+"""The shared-memory plane's segment: created, reserved, mapped by every rank, unlinked.
+
+Shared memory per host: ``4096 + local_size * 2 * SMDDP_SHM_SLOT_BYTES`` bytes (default
+slot 4 MiB: 8 MiB per rank). The segment is unlinked as soon as every rank has mapped it,
+so a job killed with ``kill -9`` leaves nothing in /dev/shm; a segment left by a crash
+during set-up (its creator's pid gone) is removed by the next job's set-up.
+:mod:`smddp.comm.planes.shm` runs the collectives over it.
+
+Set-up is as clean as teardown. The name reaches the other ranks through the store, which
+has no authentication, so a rank uses a name it read only if it is one smddp makes
+(:func:`valid_name`), opens it only inside the shared-memory directory, without following a
+link and without creating anything, and maps it only if it is a regular file of this user and
+of the size the plane needs. Anything else is refused on every rank of the host, with an
+error that says why; a missing file is reported as missing. The rank that created the segment
+alone unlinks it, by its own name (never one read back), on every path: once every rank has
+mapped it, when a rank could not, when the wait for them fails or times out, and when the
+launcher ends the job meanwhile (mpirun and torchrun send ``SIGTERM`` to every rank once one
+has died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+import platform
+import re
+import signal
+import socket
+import stat
+import threading
+import time
+import uuid
+from typing import Iterator, List, Optional, Tuple
+
+from smddp import knobs
+from smddp.errors import BackendUnavailableError
+
+#: Bytes of one buffer; each rank has two.
+SLOT_BYTES = knobs.value("SMDDP_SHM_SLOT_BYTES")
+SHM_DIR = knobs.value("SMDDP_SHM_DIR")
+#: Bytes before the buffers: the ranks' epoch words and pids.
+HEADER = 4096
+_PREFIX = "smddp-shm-"
+#: Every name smddp makes, and the only ones a rank opens: no '/', no '.', bounded.
+_NAME = re.compile(re.escape(_PREFIX) + r"[A-Za-z0-9_-]{1,200}")
+#: The creating process, and its pid namespace: only a process in the same one can judge it.
+_CREATOR = re.compile(r".*-n(\d+)-p(\d+)")
+_POLL_S = 0.002  # between two looks at the store while the creator waits (signals run meanwhile)
+
+
+def supported() -> bool:
+    """True where the shared-memory plane may run (x86-64 Linux with a /dev/shm)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def segment_bytes(local_size: int, slot: int = SLOT_BYTES) -> int:
+    """Bytes of the segment for ``local_size`` ranks."""
+    return HEADER + local_size * 2 * slot
+
+
+def valid_name(name: str) -> bool:
+    """True if ``name`` is a segment name smddp makes: ``smddp-shm-`` and up to 200 letters,
+    digits, ``_`` and ``-`` (so no path, no ``..``)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (the inode number of ``/proc/self/ns/pid``), "" where unknown."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    found = re.fullmatch(r"pid:\[(\d+)\]", link)
+    return found.group(1) if found else ""
+
+
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists (this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: str = SHM_DIR) -> List[str]:
+    """Remove smddp segments whose creating process is gone; returns the names removed.
+
+    Only a segment made in this process's pid namespace is judged: a pid from another
+    namespace (a container sharing this /dev/shm) names some other process here, or none,
+    and its segment may belong to a live job.
+    """
+    removed: List[str] = []
+    mine = pid_namespace()
+    if not mine:
+        return removed
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        creator = _CREATOR.fullmatch(name) if valid_name(name) else None
+        if creator is not None and creator.group(1) == mine and not alive(int(creator.group(2))):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _safe(text: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", text)[:limit] or "_"
+
+
+def _new_name(group: str) -> str:
+    """A fresh segment name: the job, host, group, a random id, the creator's pid namespace and pid."""
+    job = os.environ.get("OMPI_COMM_WORLD_JOBID") or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:8]
+    return (f"{_PREFIX}{_safe(job, 24)}-{_safe(socket.gethostname(), 40)}-{_safe(group, 24)}-"
+            f"{uuid.uuid4().hex[:6]}-n{pid_namespace() or 0}-p{os.getpid()}")
+
+
+def _create(path: str, nbytes: int) -> Optional[str]:
+    """Create and reserve the segment at ``path``; None, or why /dev/shm cannot hold it."""
+    sweep_stale()
+    stat_fs = os.statvfs(SHM_DIR)
+    free = stat_fs.f_bavail * stat_fs.f_frsize
+    if free < nbytes:
+        return f"{SHM_DIR} has {free >> 20} MiB free and the shared-memory plane needs {nbytes >> 20} MiB"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        # Reserve the pages now: a full tmpfs is an error here, not a SIGBUS mid-collective.
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        _unlink(path)
+        return f"{SHM_DIR} cannot hold {nbytes >> 20} MiB ({exc.strerror})"
+    except BaseException:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class _Refused(Exception):
+    """A segment a rank must not use (an unsafe name, a link, not this user's regular file)."""
+
+
+def _open_mapping(name: str, nbytes: int) -> mmap.mmap:
+    """Map segment ``name`` of ``nbytes``, checked as the module says.
+
+    Raises:
+        _Refused: not a name smddp makes, a link, or not a regular file of this user of ``nbytes``.
+        FileNotFoundError: there is no such segment.
+        OSError: it cannot be opened or mapped.
+    """
+    if not valid_name(name):
+        raise _Refused(f"the segment name read from the store, {name[:120]!r}, is not one smddp makes "
+                       f"({_PREFIX} and letters, digits, '_', '-'): refused")
+    try:
+        # No O_CREAT: a reader never makes a file; O_NONBLOCK: a planted FIFO cannot block the open.
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Refused(f"{SHM_DIR}/{name} is a symbolic link, not smddp's segment: refused") from None
+        raise
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid() or found.st_size != nbytes:
+            raise _Refused(
+                f"{SHM_DIR}/{name} is not a segment of this user of {nbytes} bytes (mode {found.st_mode:o}, "
+                f"owner {found.st_uid}, {found.st_size} bytes): refused")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _try_map(name: str, nbytes: int) -> Tuple[Optional[mmap.mmap], dict]:
+    """``(mapping, {})``, or ``(None, report)``: what this rank publishes for its host-mates."""
+    try:
+        return _open_mapping(name, nbytes), {}
+    except _Refused as exc:
+        return None, {"error": str(exc), "fatal": True}
+    except FileNotFoundError:
+        return None, {"fatal": True, "error": (
+            f"the segment {name} is missing from {SHM_DIR}: something removed it, or this rank does not "
+            f"see the {SHM_DIR} of the rank that created it (containers: share one {SHM_DIR}, or set "
+            f"SMDDP_CPU_PLANE=gloo)")}
+    except OSError as exc:
+        return None, {"error": str(exc), "fatal": False}
+
+
+def _report(raw: str) -> dict:
+    """A host-mate's published outcome: ``{}`` (mapped), or ``{"error": ..., "fatal": ...}``."""
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        found = None
+    if found == {} or (isinstance(found, dict) and isinstance(found.get("error"), str)):
+        return found
+    return {"error": f"a malformed report in the store ({raw[:80]!r})", "fatal": True}
+
+
+@contextlib.contextmanager
+def _unlinked_on_sigterm(path: str) -> Iterator[None]:
+    """Unlink ``path`` first if ``SIGTERM`` ends the process meanwhile.
+
+    When a rank dies during set-up, mpirun and torchrun end the others with ``SIGTERM`` while
+    the creator still waits for it. Only the main thread can set a handler: elsewhere, or where
+    the handler was set outside Python or ignores the signal, nothing changes. A Python handler
+    that was there is called after the unlink, and put back afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None or previous is signal.SIG_IGN:
+        yield
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        _unlink(path)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action, now restored: end
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _await_reports(host) -> List[dict]:
+    """Every rank's outcome, waited for in short sleeps (so that signal handlers run).
+
+    Raises:
+        BackendUnavailableError: a rank did not report within the host's timeout.
+    """
+    keys = [f"mapped/{r}" for r in range(host.size)]
+    started = time.monotonic()
+    deadline = started + host.timeout.total_seconds()
+    while not all(host.published(key) for key in keys):
+        if time.monotonic() > deadline:
+            late = [r for r, key in enumerate(keys) if not host.published(key)]
+            # Not a CollectiveTimeout: that is an OSError (a TimeoutError), which the plane's
+            # set-up takes for a /dev/shm too small and falls back from, on this rank alone.
+            raise BackendUnavailableError(
+                f"the shared-memory plane cannot start: waited {time.monotonic() - started:.0f}s for local "
+                f"ranks {late} (host ranks {host.mates.ranks}) to map its segment (removed now)")
+        time.sleep(_POLL_S)
+    return [_report(host.read(key)) for key in keys]
+
+
+def _mapped(mapping: Optional[mmap.mmap], reports: List[dict]) -> mmap.mmap:
+    """``mapping`` once every rank of the host mapped the segment; else the error, on every rank."""
+    failures = [(r, found) for r, found in enumerate(reports) if found]
+    if not failures:
+        return mapping
+    if mapping is not None:
+        mapping.close()
+    text = "; ".join(f"local rank {r}: {found['error']}" for r, found in failures)
+    if any(found.get("fatal") for _, found in failures):
+        raise BackendUnavailableError(f"the shared-memory plane cannot start: {text}")
+    raise OSError(text)
+
+
+def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
+    """Create a segment of ``nbytes`` for one host's ranks and map it on every one of them.
+
+    Args:
+        host: the host's set-up channel (:class:`smddp.comm.planes.hostmates.HostChannel`):
+            its ``rank``, ``size``, ``timeout``, ``publish``, ``published`` and ``read``.
+        group: a name for the group (part of the segment's name).
+        nbytes: the segment's size (:func:`segment_bytes`).
+
+    Returns:
+        The segment's name and this rank's mapping of it (the file is already unlinked).
+
+    Raises:
+        OSError: a rank of the host cannot map it (/dev/shm too small, or not the same
+            /dev/shm): raised on every rank of the host.
+        BackendUnavailableError: a rank refused the name it read, or found no such segment
+            (the module says when): raised on every rank of the host.
+            The creator raises it too when a rank has not mapped it within the timeout.
+    """
+    if host.rank != 0:
+        name = host.read("segment")
+        if name.startswith("!"):
+            raise OSError(name[1:])
+        mapping, outcome = _try_map(name, nbytes)
+        host.publish(f"mapped/{host.rank}", json.dumps(outcome))
+        return name, _mapped(mapping, [_report(host.read(f"mapped/{r}")) for r in range(host.size)])
+    name = _new_name(group)
+    path = os.path.join(SHM_DIR, name)
+    reason = _create(path, nbytes)
+    if reason is not None:
+        host.publish("segment", "!" + reason)
+        raise OSError(reason)
+    try:
+        with _unlinked_on_sigterm(path):
+            host.publish("segment", name)
+            mapping, outcome = _try_map(name, nbytes)
+            host.publish("mapped/0", json.dumps(outcome))
+            reports = _await_reports(host)
+    finally:
+        # Every rank has mapped it, or will not: from now on no crash can leave it behind.
+        _unlink(path)
+    return name, _mapped(mapping, reports)
