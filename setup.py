@@ -14,7 +14,7 @@ setup(
             # One translation unit: the .c includes these (listed, they ship in the sdist too).
             depends=["smddp/comm/planes/_shm_fold.h", "smddp/comm/planes/_shm_sync.h",
                      "smddp/comm/planes/_shm_ops.h", "smddp/comm/planes/_shm_cma.h",
-                     "smddp/comm/planes/_shm_op_type.h"],
+                     "smddp/comm/planes/_shm_op_type.h", "smddp/comm/planes/_shm_step.h"],
             # -fno-wrapv: Python's own CFLAGS carry -fwrapv, under which GCC's code for the folds
             # measured 1.2-1.3x slower at 1-4 MB (docs/performance.md); the folds' integer
             # arithmetic is unsigned, so nothing relies on signed wrap-around. -ffp-contract=off:

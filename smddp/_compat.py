@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as tdist
@@ -91,29 +91,30 @@ def register_device_backend(pg, device_type: str, backend_type_name: str, backen
     pg._register_backend(torch.device(device_type), backend_type(backend_type_name), backend)
 
 
-def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, lazy: bool = True):
-    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
+def gloo_options(devices, timeout, threads=None):
+    """``ProcessGroupGloo``'s options with these devices, timeout and worker threads (None: torch's).
 
-    Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`):
-    ``one_host``, from the group's agreed layout, says whether loopback reaches every rank.
+    ``ProcessGroupGloo._Options`` and its ``_devices``, ``_timeout`` and ``_threads``: private in
+    torch, stable since 1.x (2.4 to 2.14 checked): the only way to give gloo its devices.
     """
-    from smddp.comm.backends.gloo_group import gloo_group
+    options = tdist.ProcessGroupGloo._Options()
+    options._devices = devices
+    options._timeout = timeout
+    if threads is not None:
+        options._threads = threads
+    return options
 
-    backend = None
-    if lazy:
-        try:
-            backend = gloo_group(store, rank, size, timeout, one_host, lazy=True, threads=2)
-        except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
-            backend = None
-    if backend is None:
-        backend = gloo_group(store, rank, size, timeout, one_host)
+
+def name_backend(backend, group_name: str, size: int):
+    """Give a torch-native backend its group's name and ranks (as torch's own groups have them)."""
     backend.options.group_name = group_name
     backend.options.global_ranks_in_group = list(range(size))
     return backend
 
 
-def nccl_backend(store, rank: int, size: int, timeout, group_name: str):
-    """A ``ProcessGroupNCCL`` (its communicator is created on first use).
+def nccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None):
+    """A ``ProcessGroupNCCL`` (its communicator is created on first use), named as its group if
+    ``group_name`` is given.
 
     ``Options``' ``is_high_priority_stream``, ``_timeout``, ``group_name`` and
     ``global_ranks_in_group``: 2.4 to 2.13.
@@ -121,18 +122,79 @@ def nccl_backend(store, rank: int, size: int, timeout, group_name: str):
     options = tdist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = timeout
-    options.group_name = group_name
-    options.global_ranks_in_group = list(range(size))
+    if group_name is not None:
+        options.group_name = group_name
+        options.global_ranks_in_group = list(range(size))
     return tdist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def xccl_backend(store, rank: int, size: int, timeout, group_name: str):
-    """A ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds)."""
-    options = tdist.ProcessGroupXCCL.Options()
-    options._timeout = timeout
-    options.group_name = group_name
-    options.global_ranks_in_group = list(range(size))
+def xccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None):
+    """A ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds); early XPU builds take no options."""
+    try:
+        options = tdist.ProcessGroupXCCL.Options()
+        options._timeout = timeout
+    except AttributeError:
+        return tdist.ProcessGroupXCCL(store, rank, size)
+    if group_name is not None:
+        options.group_name = group_name
+        options.global_ranks_in_group = list(range(size))
     return tdist.ProcessGroupXCCL(store, rank, size, options)
+
+
+def plugin_backend(name: str, store, rank: int, size: int, timeout):
+    """A backend a third-party plugin registered with torch (``"CCL"``: oneCCL's bindings), or None
+    if none is registered under ``name`` (``Backend._plugins`` and ``_DistributedBackendOptions``:
+    2.4 to 2.14)."""
+    plugin = tdist.Backend._plugins.get(name)
+    if plugin is None:
+        return None
+    if getattr(plugin, "extended_api", False):
+        options = tdist.distributed_c10d._DistributedBackendOptions()
+        options.store, options.group_rank, options.group_size, options.timeout = store, rank, size, timeout
+        options.group_id = "smddp"
+        options.global_ranks_in_group = list(range(size))
+        return plugin.creator_fn(options, None)
+    return plugin.creator_fn(store, rank, size, timeout)
+
+
+def set_group_name(group, name: str) -> None:
+    """Give a ProcessGroup its name (``ProcessGroup._set_group_name``, 2.4 to 2.14)."""
+    group._set_group_name(name)
+
+
+def device_backend(group, device: torch.device):
+    """The backend ``group`` runs ``device``'s tensors on (``ProcessGroup._get_backend``, 2.4 to 2.14)."""
+    return group._get_backend(device)
+
+
+def register_builtin_comm_hook(ddp_class, ddp, comm_hook_type) -> None:
+    """``ddp_class``'s ``_register_builtin_comm_hook`` on ``ddp`` (torch's DDP, 2.4 to 2.14)."""
+    ddp_class._register_builtin_comm_hook(ddp, comm_hook_type)
+
+
+# ---------------------------------------------------------------------------- c10d's Work and the profiler
+#: The options of c10d's collectives (``torch._C._distributed_c10d``'s; torch.distributed re-exports
+#: some of them, not ``AllgatherOptions``, in 2.4 to 2.14).
+_C10D = torch._C._distributed_c10d
+AllgatherOptions, AllreduceOptions, AllToAllOptions, BarrierOptions, BroadcastOptions = (
+    _C10D.AllgatherOptions, _C10D.AllreduceOptions, _C10D.AllToAllOptions, _C10D.BarrierOptions,
+    _C10D.BroadcastOptions)
+#: The C++ ``Work`` whose ``wait()`` calls a Python function (torch 2.10 and later), or None.
+PythonCallbackWork = getattr(_C10D, "PythonCallbackWork", None)
+
+#: True while torch's profiler records in the calling thread (one C call, 2.4 to 2.14).
+profiler_enabled = torch._C._autograd._profiler_enabled
+#: Begin and end a ``record_function`` event with arguments (``torch.autograd``'s private
+#: ``_record_function_with_args_enter``/``_exit``, 2.4 to 2.14).
+record_function_enter = torch.autograd._record_function_with_args_enter
+record_function_exit = torch.autograd._record_function_with_args_exit
+#: torch's fast ``RecordFunction`` (the dispatcher's events; ``torch._C._profiler._RecordFunctionFast``, 2.4 to 2.14).
+RecordFunctionFast = torch._C._profiler._RecordFunctionFast
+
+
+def end_record_function_on(event, future) -> None:
+    """End profiler ``event`` when ``future`` completes (``torch.ops.profiler._call_end_callbacks_on_jit_fut``)."""
+    torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction(event, future)
 
 
 # ---------------------------------------------------------------------------- torch.compile

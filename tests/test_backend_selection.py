@@ -22,8 +22,9 @@ import torch.distributed as tdist
 
 import smddp.comm as comm
 from smddp.comm import BACKENDS, Probe, choose_backend
+from smddp.comm.backends.c10d_work import WorkPending
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.torch_native import TorchBackendCommunicator, WorkPending
+from smddp.comm.backends.torch_native import TorchBackendCommunicator
 from smddp.comm.base import ARITHMETIC, Communicator, Context, Done, Op, Pending
 from smddp.comm.engine import Engine
 from smddp.comm.planes.choose import PlaneSettings, build, companion
@@ -202,7 +203,7 @@ def test_xpu_backends_fail_clearly_without_an_intel_gpu():
     with pytest.raises(BackendUnavailableError, match="needs an Intel GPU") as err:
         comm.create_communicators("xccl", _ctx())
     assert "oneccl_bind_pt" in str(err.value)
-    if not comm._has_module("oneccl_bindings_for_pytorch"):
+    if not comm.has_module("oneccl_bindings_for_pytorch"):
         with pytest.raises(BackendUnavailableError, match="oneccl_bind_pt"):
             comm.create_communicators("ccl", _ctx())
 

@@ -454,7 +454,7 @@ def test_torch_nccl_connects_at_first_use_unless_given_a_device_id(monkeypatch):
         def eager_connect_single_device(self, device):
             connected.append(device)
 
-    monkeypatch.setattr(torch._C._distributed_c10d, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
+    monkeypatch.setattr(tdist, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)

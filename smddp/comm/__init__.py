@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from smddp import knobs
-from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL  # noqa: F401 - re-exported
+from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL, has_module  # noqa: F401 - re-exported
 from smddp.errors import BackendUnavailableError
 from smddp.job.topology import Topology
 
@@ -88,13 +88,6 @@ class Probe:
     ccl: bool = False
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def probe() -> Probe:
     """Look at this process: devices torch sees and the communication libraries importable."""
     import torch
@@ -105,10 +98,10 @@ def probe() -> Probe:
     return Probe(
         cuda=torch.cuda.is_available(),
         xpu=xpu,
-        mpi4py=_has_module("mpi4py"),
-        cupy=_has_module("cupy"),
+        mpi4py=has_module("mpi4py"),
+        cupy=has_module("cupy"),
         xccl=bool(is_xccl and is_xccl()),
-        ccl=_has_module("oneccl_bindings_for_pytorch"),
+        ccl=has_module("oneccl_bindings_for_pytorch"),
     )
 
 
@@ -233,7 +226,7 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
     if name in ("mpi", "gloo"):
         return {"cpu": choose.build(name, ctx, found)}
     cls = backend_class(name)
-    companion = choose.companion(ctx.topology, _has_module("mpi4py"), found)
+    companion = choose.companion(ctx.topology, has_module("mpi4py"), found)
     ctx = dataclasses.replace(ctx, cpu=lambda c: choose.build(companion, c, found))
     build = getattr(cls, "build", None)
     if build is not None:

@@ -1,8 +1,10 @@
-"""What to install for each backend's library: the one place these hints are written.
+"""What to install for each backend's library, and whether it is importable: the one place these are written.
 
 Every error about a missing library and smddp-info's table name them; the registry
 (:mod:`smddp.comm`) re-exports them. Backends import them from here, never from the registry.
 """
+
+import importlib.util
 
 MPI_INSTALL = "pip install 'smddp[mpi]' (mpi4py and Open MPI)"
 CUDA_INSTALL = (
@@ -15,3 +17,11 @@ XPU_INSTALL = (
     "https://download.pytorch.org/whl/xpu), or Intel's oneCCL bindings (pip install oneccl_bind_pt "
     "--extra-index-url https://pytorch-extension.intel.com/release-whl/stable/xpu/us/)"
 )
+
+
+def has_module(name: str) -> bool:
+    """True if ``name`` can be imported here (found without importing it: importing mpi4py starts MPI)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

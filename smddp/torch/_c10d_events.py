@@ -16,9 +16,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from smddp import _compat
+
 __all__ = ["begin", "end"]
 
-_Fast = torch._C._profiler._RecordFunctionFast
+_Fast = _compat.RecordFunctionFast
 _arguments: Dict[str, Tuple[str, ...]] = {}
 _barrier_tensor: Optional[torch.Tensor] = None
 

@@ -27,6 +27,24 @@ import torch
 import torch.distributed as tdist
 
 from smddp import _compat
+from smddp.comm.backends.gloo_group import gloo_group
+
+
+def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, lazy: bool = True):
+    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
+
+    Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`):
+    ``one_host``, from the group's agreed layout, says whether loopback reaches every rank.
+    """
+    backend = None
+    if lazy:
+        try:
+            backend = gloo_group(store, rank, size, timeout, one_host, lazy=True, threads=2)
+        except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
+            backend = None
+    if backend is None:
+        backend = gloo_group(store, rank, size, timeout, one_host)
+    return _compat.name_backend(backend, group_name, size)
 
 
 def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
@@ -36,7 +54,7 @@ def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
     """
     found = []
     if tdist.is_gloo_available():
-        found.append(("cpu", "GLOO", functools.partial(_compat.gloo_backend, one_host=one_host)))
+        found.append(("cpu", "GLOO", functools.partial(gloo_backend, one_host=one_host)))
     if torch.cuda.is_available() and tdist.is_nccl_available():
         found.append(("cuda", "NCCL", _compat.nccl_backend))
     xpu = getattr(torch, "xpu", None)

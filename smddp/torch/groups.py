@@ -140,7 +140,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
     if ranks is not None:
         engine.describe_group(name, ranks)
     group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
-    group._set_group_name(name)
+    _compat.set_group_name(group, name)
     group.native_backends = _functional_backends.attach(
         group, store, topology.rank, topology.size, timeout, name)
     if ranks is None:
@@ -216,7 +216,7 @@ def _close(group: SmddpProcessGroup) -> None:
     group.engine.close()
     for device in list(group.native_backends):
         try:
-            group._get_backend(torch.device(device)).shutdown()
+            _compat.device_backend(group, torch.device(device)).shutdown()
         except Exception:  # noqa: BLE001 - a backend without shutdown, or already gone
             pass
 

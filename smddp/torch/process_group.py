@@ -319,7 +319,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     def _native(self, tensor: torch.Tensor, what: str):
         try:
-            return self._get_backend(tensor.device)
+            return _compat.device_backend(self, tensor.device)
         except RuntimeError:
             raise BackendUnavailableError(
                 f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "

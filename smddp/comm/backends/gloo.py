@@ -22,13 +22,13 @@ then it goes out at once, unchecked.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as tdist
 
+from smddp.comm.backends.c10d_work import GlooWork
 from smddp.comm.backends.gloo_group import gloo_group
 from smddp.comm.base import (
     Communicator,
@@ -61,38 +61,6 @@ _GLOO_OPS = {
     Op.BOR: tdist.ReduceOp.BOR,
     Op.BXOR: tdist.ReduceOp.BXOR,
 }
-
-
-class _Work(Pending):
-    """A gloo Work, then what must follow it on this rank (divide, copy back)."""
-
-    __slots__ = ("_work", "_after", "_finished")
-
-    def __init__(self, work, after=None):
-        self._work, self._after = work, after
-        self._finished: Optional[threading.Event] = None
-
-    def block(self, seconds: float) -> None:
-        """Sleep until gloo's thread completes the work or ``seconds`` pass."""
-        # Read once: the progress thread's test() may clear self._work meanwhile.
-        work = self._work
-        if work is None:
-            return
-        finished = self._finished
-        if finished is None:
-            finished = self._finished = threading.Event()
-            work.get_future().add_done_callback(lambda _: finished.set())
-        finished.wait(seconds)
-
-    def test(self) -> bool:
-        if self._work is not None:
-            if not self._work.is_completed():
-                return False
-            self._work.wait()  # raises the error of a failed operation
-            self._work = None
-            if self._after is not None:
-                self._after()
-        return True
 
 
 class _Checked(checked.Checked):
@@ -159,7 +127,7 @@ class GlooCommunicator(Communicator):
         self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the gloo plane", _Checked)
 
     def _gather(self, row: torch.Tensor, rows: torch.Tensor) -> Pending:
-        return _Work(self.pg.allgather([list(rows.chunk(self.size))], [row]))
+        return GlooWork(self.pg.allgather([list(rows.chunk(self.size))], [row]))
 
     def _checked(self, fp: Print, large) -> Pending:
         """A collective too large for the exchange's row: checked first where :attr:`check_large`."""
@@ -189,7 +157,7 @@ class GlooCommunicator(Communicator):
                 if work is not wire:
                     wire.copy_(work)
 
-            return _Work(self.pg.allreduce([work], opts), after)
+            return GlooWork(self.pg.allreduce([work], opts), after)
 
         return self._checked(fp, large)
 
@@ -205,7 +173,7 @@ class GlooCommunicator(Communicator):
         def large() -> Pending:
             opts = tdist.BroadcastOptions()
             opts.rootRank = src
-            return _Work(self.pg.broadcast([tensor], opts))
+            return GlooWork(self.pg.broadcast([tensor], opts))
 
         return self._checked(fp, large)
 
@@ -214,7 +182,7 @@ class GlooCommunicator(Communicator):
         if input.numel() * input.element_size() <= SMALL_BYTES:
             return self.checker.start(fp, as_bytes(input),
                                       lambda rows: output.view(self.size, -1).copy_(rows_of(rows, input)))
-        return self._checked(fp, lambda: _Work(self.pg.allgather([list(output.chunk(self.size))], [input])))
+        return self._checked(fp, lambda: GlooWork(self.pg.allgather([list(output.chunk(self.size))], [input])))
 
     def all_to_all_single(
         self,
@@ -228,7 +196,7 @@ class GlooCommunicator(Communicator):
 
         def large() -> Pending:
             opts = tdist.AllToAllOptions()
-            return _Work(self.pg.alltoall_base(output, input, list(output_counts), list(input_counts), opts))
+            return GlooWork(self.pg.alltoall_base(output, input, list(output_counts), list(input_counts), opts))
 
         # Always checked: split sizes that do not pair up would abort gloo (or read the wrong bytes).
         return self.checker.start(fp, checked.split_words(input_counts, output_counts), large=large, paired=True)

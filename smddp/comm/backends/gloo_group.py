@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import torch.distributed as tdist
 
+from smddp import _compat
 from smddp.job import sockets
 
 
@@ -49,10 +50,4 @@ def gloo_group(store, rank: int, size: int, timeout: timedelta, one_host: bool, 
         lazy: connect to the peers on first use (None: torch's default).
         threads: gloo's worker threads (None: torch's default).
     """
-    gloo = tdist.ProcessGroupGloo
-    options = gloo._Options()  # private in torch, stable since 1.x: the only way to pass devices
-    options._devices = devices(one_host, lazy)
-    options._timeout = timeout
-    if threads is not None:
-        options._threads = threads
-    return gloo(store, rank, size, options)
+    return tdist.ProcessGroupGloo(store, rank, size, _compat.gloo_options(devices(one_host, lazy), timeout, threads))

@@ -16,18 +16,13 @@ the host, so ``test()`` calls it and returns True. oneCCL's Work is polled with
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Dict, Optional, Sequence
+from typing import Any, ClassVar, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
-from torch._C._distributed_c10d import (
-    AllgatherOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
-)
 
+from smddp import _compat
+from smddp.comm.backends.c10d_work import WorkPending
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.nccl.bindings import CONVERTED, check_op
 from smddp.comm.base import Communicator, Context, Op, Pending, average
@@ -44,46 +39,6 @@ _REDUCE_OPS = {
     Op.BOR: tdist.ReduceOp.BOR,
     Op.BXOR: tdist.ReduceOp.BXOR,
 }
-
-class WorkPending(Pending):
-    """A torch ``Work``, then an optional ``after()`` on this rank.
-
-    Args:
-        work: what a torch backend's collective returned.
-        stream_ordered: ``work.wait()`` orders the caller's current stream after the
-            collective without blocking the host (NCCL, XCCL); otherwise ``test()`` polls
-            ``work.is_completed()`` first.
-        after: run once, on completion (divide for AVERAGE, copy back).
-    """
-
-    __slots__ = ("_work", "_stream_ordered", "_after", "_ordering")
-
-    def __init__(self, work, stream_ordered: bool, after: Optional[Callable[[], None]] = None,
-                 captured: bool = False):
-        self._work, self._stream_ordered, self._after = work, stream_ordered, after
-        # A stream-ordered Work orders the caller's current stream on every wait().
-        self._ordering = work if stream_ordered else None
-        if captured:
-            # Captured in a CUDA graph: ordered on the capturing stream now, in the capturing
-            # thread; no other thread may touch it (the engine's progress thread tests this).
-            self.test()
-            self._ordering = None
-
-    def test(self) -> bool:
-        if self._work is None:
-            return True
-        if not self._stream_ordered and not self._work.is_completed():
-            return False
-        self._work.wait()  # raises the error of a failed collective
-        self._work = None
-        if self._after is not None:
-            self._after()
-        return True
-
-    def waited(self) -> None:
-        if self._ordering is not None:
-            self._ordering.wait()
-
 
 class TorchBackendCommunicator(Communicator):
     """Collectives through a torch c10d backend object (``allreduce``, ``broadcast``, ...).
@@ -152,7 +107,7 @@ class TorchBackendCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         self._check(tensor)
         self.check_reduction(tensor.dtype, op)
-        opts = AllreduceOptions()
+        opts = _compat.AllreduceOptions()
         divide = op is Op.AVERAGE and not self.native_average
         opts.reduceOp = _REDUCE_OPS[Op.SUM if divide else op]
         work = self.backend.allreduce([tensor], opts)
@@ -167,7 +122,7 @@ class TorchBackendCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         self._check(tensor)
-        opts = BroadcastOptions()
+        opts = _compat.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         return self._pending(self.backend.broadcast([tensor], opts))
@@ -176,9 +131,9 @@ class TorchBackendCommunicator(Communicator):
         self._check(output, input)
         gather_base = getattr(self.backend, "_allgather_base", None)
         if gather_base is not None:
-            work = gather_base(output, input, AllgatherOptions())
+            work = gather_base(output, input, _compat.AllgatherOptions())
         else:
-            work = self.backend.allgather([list(output.chunk(self.size))], [input], AllgatherOptions())
+            work = self.backend.allgather([list(output.chunk(self.size))], [input], _compat.AllgatherOptions())
         return self._pending(work)
 
     def all_to_all_single(
@@ -191,12 +146,12 @@ class TorchBackendCommunicator(Communicator):
     ) -> Pending:
         self._check(output, input)
         work = self.backend.alltoall_base(
-            output, input, [int(c) for c in output_counts], [int(c) for c in input_counts], AllToAllOptions()
+            output, input, [int(c) for c in output_counts], [int(c) for c in input_counts], _compat.AllToAllOptions()
         )
         return self._pending(work)
 
     def barrier(self, tag: int) -> Pending:
-        opts = BarrierOptions()
+        opts = _compat.BarrierOptions()
         if self.device.type != "cpu" and self.device.index is not None:
             opts.device_ids = [self.device.index]
         # A barrier means every rank arrived: poll it, whatever the backend's streams.
@@ -248,12 +203,7 @@ class TorchNCCLCommunicator(TorchBackendCommunicator):
         return device
 
     def _create(self, store, timeout: timedelta):
-        from torch._C._distributed_c10d import ProcessGroupNCCL
-
-        options = ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = timeout
-        backend = ProcessGroupNCCL(store, self.rank, self.size, options)
+        backend = _compat.nccl_backend(store, self.rank, self.size, timeout)
         connect = getattr(backend, "eager_connect_single_device", None)
         if connect is not None and self.eager:
             # As torch's init_process_group(device_id=...): the NCCL communicator now, on this device.
@@ -288,15 +238,8 @@ class XCCLCommunicator(TorchBackendCommunicator):
         if not xccl_available():
             self.stream_ordered = False  # oneCCL's bindings: poll their Work
             return ccl_backend(store, self.rank, self.size, timeout)
-        from torch._C._distributed_c10d import ProcessGroupXCCL
-
         self.stream_ordered = True
-        try:
-            options = ProcessGroupXCCL.Options()
-            options._timeout = timeout
-        except AttributeError:  # early XPU builds take no options
-            return ProcessGroupXCCL(store, self.rank, self.size)
-        return ProcessGroupXCCL(store, self.rank, self.size, options)
+        return _compat.xccl_backend(store, self.rank, self.size, timeout)
 
 
 class CCLCommunicator(XCCLCommunicator):
@@ -342,16 +285,10 @@ def ccl_backend(store, rank: int, size: int, timeout: timedelta):
         raise BackendUnavailableError(
             f"no oneCCL for this Intel GPU job ({exc}); install {XPU_INSTALL}"
         ) from exc
-    plugin = tdist.Backend._plugins.get("CCL")
-    if plugin is None:
+    backend = _compat.plugin_backend("CCL", store, rank, size, timeout)
+    if backend is None:
         raise BackendUnavailableError(
             "oneccl_bindings_for_pytorch did not register the 'ccl' backend with this torch; "
             f"install the bindings built for torch {torch.__version__}"
         )
-    if getattr(plugin, "extended_api", False):
-        options = tdist.distributed_c10d._DistributedBackendOptions()
-        options.store, options.group_rank, options.group_size, options.timeout = store, rank, size, timeout
-        options.group_id = "smddp"
-        options.global_ranks_in_group = list(range(size))
-        return plugin.creator_fn(options, None)
-    return plugin.creator_fn(store, rank, size, timeout)
+    return backend

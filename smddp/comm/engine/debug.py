@@ -24,8 +24,17 @@ import torch
 
 from smddp import knobs
 from smddp.comm.base import Communicator, Op, poll
-from smddp.comm.engine.stall import ranks_text
-from smddp.comm.mismatch.fingerprint import COMPARED, LABEL, SEQ, WIDTH, describe, differing, explain, fingerprint
+from smddp.comm.mismatch.fingerprint import (
+    COMPARED,
+    LABEL,
+    SEQ,
+    WIDTH,
+    describe,
+    differing,
+    explain,
+    fingerprint,
+    ranks_text,
+)
 from smddp.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:

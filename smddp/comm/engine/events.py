@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from smddp import _compat
+
 if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
 __all__ = ["active", "begin", "end", "end_on", "name_of", "profiled"]
 
 #: True while torch's profiler records in the calling thread (one C call).
-active = torch._C._autograd._profiler_enabled
+active = _compat.profiler_enabled
 
-_enter = torch.autograd._record_function_with_args_enter
-_exit = torch.autograd._record_function_with_args_exit
+_enter = _compat.record_function_enter
+_exit = _compat.record_function_exit
 
 
 def name_of(op_name: str) -> str:
@@ -60,7 +62,7 @@ def end_on(event: object, future: torch.futures.Future) -> None:
         event: from :func:`begin`.
         future: completed when the collective is (a handle's C++ future).
     """
-    torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction(event, future)
+    _compat.end_record_function_on(event, future)
 
 
 def profiled(engine: Engine, op_name: str, start, async_op: bool, check, args: tuple, inputs, result):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
+from smddp import _compat
 from smddp.comm.base import DONE, Pending, poll
 from smddp.errors import WaitTimeout
 
@@ -35,9 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DETACHABLE", "Handle", "settle", "settle_on_device"]
 
-_C10D = torch._C._distributed_c10d
 #: torch's C++ Work whose ``wait()`` calls a Python function (torch >= 2.10), or None.
-_CallbackWork = getattr(_C10D, "PythonCallbackWork", None)
+_CallbackWork = _compat.PythonCallbackWork
 
 #: True where a handle keeps working in C++ once Python has dropped it (torch's
 #: ``PythonCallbackWork`` exists). Elsewhere C++ reaches a handle's methods only while its
@@ -45,7 +45,7 @@ _CallbackWork = getattr(_C10D, "PythonCallbackWork", None)
 #: but C++ that Python hands a handle to and then drops (DDP's ``join()``) would wait forever.
 DETACHABLE = _CallbackWork is not None
 
-_WorkBase = _CallbackWork or _C10D.Work
+_WorkBase = _CallbackWork or torch.distributed.Work
 _cpp_future = _WorkBase.get_future  # the C++ half's own future (PythonCallbackWork's)
 _cpp_wait = _WorkBase.wait
 _NO_TIMEOUT = timedelta(0)

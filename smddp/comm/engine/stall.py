@@ -29,10 +29,11 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from smddp.comm.base import poll
-from smddp.comm.planes.layout import host_identity  # the one definition of "this host" (pid namespace included)
+from smddp.comm.mismatch.fingerprint import ranks_text
+from smddp.job.host import host_identity  # the one definition of "this host" (pid namespace included)
 
 #: Seconds a timed-out rank waits for the other ranks' answers.
 ANSWER_WAIT = 3.0
@@ -217,20 +218,6 @@ def process_state(pid: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the report
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
-    out: List[str] = []
-    ranks = sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
-
-
 def _where(st: Status) -> str:
     seq, op, age = st.get("seq", 0), st.get("op") or "", float(st.get("age") or 0.0)
     state = st.get("state")

@@ -15,7 +15,7 @@ into two integers (:func:`signature`, :data:`Print`); all describe a difference 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -137,7 +137,6 @@ def describe(rows: Sequence[Sequence[int]], names: Sequence[int], labels: Sequen
         names: the rank each row is named by in the text (global ranks, for a subgroup).
         labels: the engine's labels, by which the rows' :data:`LABEL` codes are named.
     """
-    from smddp.comm.engine.stall import ranks_text  # the engine's package imports this module
 
     groups: Dict[Tuple[int, ...], List[int]] = {}
     for row, name in zip(rows, names):
@@ -225,3 +224,17 @@ def unpaired_error(pairs: Sequence[Tuple[int, int, int, int]], names: Sequence[i
         f"the ranks' all_to_all_single split sizes do not pair up at sequence {seq}{where} on {plane}: "
         f"{shown}{more}. Each rank's input_split_sizes[q] must equal rank q's output_split_sizes for it. "
         f"The collective was not run on any rank, and the plane stays in step: later collectives run.")
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    out: List[str] = []
+    ranks = sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)

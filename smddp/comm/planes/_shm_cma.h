@@ -1,6 +1,6 @@
 /* The shared-memory core's single-copy all-reduce: ranks read and write each other's buffers
  * directly (cross-memory attach: process_vm_readv / process_vm_writev), never the segment's.
- * Included by _shm_native.c, after _shm_ops.h.
+ * Included by _shm_native.c, after _shm_step.h (and before _shm_ops.h, which runs it).
  *
  * A large all-reduce through the segment copies every byte in, reduces there and copies the
  * result out.  Here rank r owns part r of every slice of the message (the same parts as the

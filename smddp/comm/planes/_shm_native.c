@@ -48,8 +48,9 @@
 
 #include "_shm_fold.h"
 #include "_shm_sync.h"
-#include "_shm_ops.h"
+#include "_shm_step.h"
 #include "_shm_cma.h"
+#include "_shm_ops.h"
 
 #include "_shm_op_type.h"
 

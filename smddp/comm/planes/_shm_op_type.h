@@ -3,66 +3,6 @@
 #ifndef SMDDP_SHM_OP_TYPE_H
 #define SMDDP_SHM_OP_TYPE_H
 
-static PyObject *Mismatch; /* raised by Op.advance: args[0] holds every rank's fingerprint; an
-                            * all_to_all's split sizes that do not pair up add args[1] */
-
-/* Raise Mismatch with ((count, signature) of each rank of the segment), and ``pairs`` if not NULL
- * (the reference is stolen). */
-static void raise_mismatch_with(Op *o, PyObject *pairs) {
-    Segment *s = o->seg;
-    PyObject *rows = PyTuple_New(s->size), *exc;
-    int r;
-    if (rows == NULL) {
-        Py_XDECREF(pairs);
-        return;
-    }
-    for (r = 0; r < s->size; r++) {
-        volatile int64_t *fp = fingerprint(s, r, o->step);
-        PyObject *row = Py_BuildValue("(LL)", (long long)fp[0], (long long)fp[1]);
-        if (row == NULL) {
-            Py_DECREF(rows);
-            Py_XDECREF(pairs);
-            return;
-        }
-        PyTuple_SET_ITEM(rows, r, row);
-    }
-    exc = pairs == NULL ? PyObject_CallOneArg(Mismatch, rows)
-                        : PyObject_CallFunctionObjArgs(Mismatch, rows, pairs, NULL);
-    Py_DECREF(rows);
-    Py_XDECREF(pairs);
-    if (exc != NULL) {
-        PyErr_SetObject(Mismatch, exc);
-        Py_DECREF(exc);
-    }
-}
-
-static void raise_mismatch(Op *o) {
-    raise_mismatch_with(o, NULL);
-}
-
-/* Raise Mismatch with args[1]: (sender, receiver, bytes sent, bytes expected) of every pair of
- * ranks whose all_to_all split sizes disagree (read from the first step's headers). */
-static void raise_unpaired(Op *o) {
-    int r, q, size = o->seg->size;
-    PyObject *pairs = PyList_New(0), *pair;
-    if (pairs == NULL)
-        return;
-    for (r = 0; r < size; r++)
-        for (q = 0; q < size; q++) {
-            int64_t sent = a2a_sent(o, r, q), expected = a2a_expected(o, q, r);
-            if (sent == expected)
-                continue;
-            pair = Py_BuildValue("(iiLL)", r, q, (long long)sent, (long long)expected);
-            if (pair == NULL || PyList_Append(pairs, pair) < 0) {
-                Py_XDECREF(pair);
-                Py_DECREF(pairs);
-                return;
-            }
-            Py_DECREF(pair);
-        }
-    raise_mismatch_with(o, pairs);
-}
-
 static PyObject *Op_advance(Op *o, PyObject *arg) {
     long long budget = PyLong_AsLongLong(arg);
     if (budget == -1 && PyErr_Occurred())

@@ -84,13 +84,17 @@ class ShmCommunicator(_Composed):
     """
 
     plane = "shm"
+    _first_all_reduce = True
+
+    def __init__(self, ctx: Context, shm: Plane, flat: Communicator, debug: bool = False):
+        super().__init__(ctx, shm, flat, debug)
+        self._all_reduce = shm.all_reduce  # the plane's own: the path of every small all-reduce
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        # The first call: from now on the plane's own all_reduce is this communicator's, one
-        # Python call less on the path of small all-reduces.
-        self._used("all_reduce", "shm")
-        self.all_reduce = self._shm.all_reduce
-        return self._shm.all_reduce(tensor, op, tag)
+        if self._first_all_reduce:
+            self._first_all_reduce = False
+            self._used("all_reduce", "shm")
+        return self._all_reduce(tensor, op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
         """Rank r receives the reduction of slice r of flat ``input`` (``size * output.numel()`` elements)."""

@@ -27,57 +27,21 @@ Values read from the store are validated, never trusted as they are: a malformed
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from smddp import knobs
 from smddp.comm.planes import hostmates, shm_cma
 from smddp.errors import BackendUnavailableError
+from smddp.job.host import host_identity
 
 #: The version of what ranks exchange on the wire (the shared-memory protocol, the check rows):
 #: ranks that publish different ones never share a plane.
 PROTOCOL = 3
 
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 #: The knobs each rank proposes, with the layout's field for each.
 _TUNING = (("slot", "SMDDP_SHM_SLOT_BYTES"), ("chunk", "SMDDP_SHM_CHUNK_BYTES"),
            ("one_shot", "SMDDP_SHM_ONE_SHOT_MAX"), ("cma_min", "SMDDP_SHM_CMA_MIN_BYTES"),
            ("hier_min", "SMDDP_HIERARCHICAL_MIN_BYTES"))
-
-
-def _namespace(kind: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/ns/{kind}")
-    except OSError:
-        return "-"
-
-
-def host_identity(env: Optional[Mapping[str, str]] = None) -> str:
-    """This process's host identity: the one definition of "the same host" in smddp.
-
-    Two processes with equal identities run on one kernel (its boot id), see one shared-memory
-    directory (its device and inode: a segment one creates, the other can map), one process-id
-    namespace (each can tell whether the other's pid is alive) and one network namespace (each
-    reaches the other on loopback). ``SMDDP_HOST_ID`` replaces the host-name part (containers that
-    share a host name but not their memory set it; a test can make hosts with it).
-
-    Args:
-        env: the environment ``SMDDP_HOST_ID`` and ``SMDDP_SHM_DIR`` are read from (default: the process's).
-    """
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    try:
-        st = os.stat(knobs.value("SMDDP_SHM_DIR", env))
-        shm = f"{st.st_dev}:{st.st_ino}"
-    except OSError:
-        shm = "-"
-    name = knobs.value("SMDDP_HOST_ID", env) or socket.gethostname()
-    return f"{name}|{boot}|{shm}|{_namespace('pid')}|{_namespace('net')}"
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         self._replace_smddp_hook("_register_builtin_comm_hook()")
-        super()._register_builtin_comm_hook(comm_hook_type)
+        _compat.register_builtin_comm_hook(_TorchDDP, self, comm_hook_type)
 
     def join_hook(self, **kwargs):
         """torch's DDP join hook (``model.join()``, ``torch.distributed.algorithms.Join``), for uneven inputs.

@@ -35,7 +35,7 @@ from smddp import _compat
 from smddp.comm.base import Op
 from smddp.errors import WaitTimeout
 
-_Work = torch._C._distributed_c10d.Work
+_Work = torch.distributed.Work
 
 
 def _seconds(timeout) -> Optional[float]:

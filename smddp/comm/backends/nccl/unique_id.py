@@ -156,6 +156,6 @@ def decode(data, source: str) -> UniqueId:
 
 
 def _mpi4py_installed() -> bool:
-    from smddp.comm import _has_module
+    from smddp.comm.needs import has_module
 
-    return _has_module("mpi4py")
+    return has_module("mpi4py")
