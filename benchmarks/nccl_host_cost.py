@@ -5,7 +5,7 @@
     python benchmarks/nccl_host_cost.py                  # 20 rounds of 2,000 calls each
     python benchmarks/nccl_host_cost.py --rounds 40 --iters 5000
 
-No GPU is needed: the suite's NCCL stand-in (``tests/nccl_standin.py``) takes CuPy's NCCL module
+No GPU is needed: the suite's NCCL stand-in (``tests/helpers/nccl_standin.py``) takes CuPy's NCCL module
 and torch's CUDA streams and events, with NCCL calls that move nothing (``null``), so what is
 timed is the host path a GPU job pays per call: torch's Python API, smddp's ProcessGroup, the
 engine and the ``nccl`` communicator (its direct path, :mod:`smddp.comm.backends.nccl.direct`),
@@ -40,7 +40,7 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the NCCL stand-in
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # the NCCL stand-in
 
 
 def build(monkeypatch):

@@ -2,8 +2,9 @@
 
 When torch changes one of these, this file is the only one to mend. Each says which torch
 versions have it, checked against the wheels of torch 2.4.0, 2.9.0, 2.10.0, 2.11.0 and 2.13.0
-(``setup.cfg`` admits torch >= 2.4; the test suite runs on 2.13, and ``tests/test_nccl.py`` and
-the torch-API tests were also run on 2.11.0, the GPU machine's), and what a version without it gets.
+(``setup.cfg`` admits torch >= 2.4; the test suite runs on 2.13, and the NCCL communicator's tests
+(``tests/comm/backends/nccl/``) and the torch-API tests were also run on 2.11.0, the GPU machine's),
+and what a version without it gets.
 """
 
 from __future__ import annotations

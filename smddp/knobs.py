@@ -3,7 +3,7 @@
 One table (:data:`KNOBS`) and one reader (:func:`value`): each module that honours a variable
 asks :func:`value` for it, where it used to parse ``os.environ`` itself, so a variable has one
 default, one parser and one error for a value that does not parse. docs/tools.md lists the same
-table for users (``tests/test_docs.py`` keeps the two in step), and ``smddp-info`` shows the
+table for users (``tests/house/test_docs.py`` keeps the two in step), and ``smddp-info`` shows the
 ones that are set.
 
 Tuning knobs are read once, when the module that uses them is imported (set them before

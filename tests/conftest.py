@@ -1,11 +1,22 @@
+"""The suite's markers, the helpers' folder on the import path, and the skips that say why.
+
+tests/README.md maps each part of smddp/ to its tests; ``-m unit`` is the fast tier (in-process
+tests, no job started).
+"""
+import sys
+from pathlib import Path
 
 import pytest
+
+# The helpers (launchers, the NCCL stand-in) import as top-level modules from every test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
     config.addinivalue_line("markers", "mpi: needs mpirun and mpi4py")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "unit: in-process, starts no job (the fast tier: pytest -m unit)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -257,7 +257,7 @@ the few tests whose body has no path for another name (they pick their DDP model
 those read `BACKEND` as gloo inside the rank processes, after smddp's world is up. Tests smddp
 legitimately cannot pass are not run on smddp: they are counted as skipped and listed below with
 the reason.
-`tests/test_torch_suite.py` runs a subset of it in CI and fails when smddp does not pass a test
+`tests/torch/test_torch_suite.py` runs a subset of it in CI and fails when smddp does not pass a test
 that gloo passes.
 
 Most skipped tests need CUDA devices, NCCL or MPI by name, or a larger world; they skip on both

@@ -1,7 +1,7 @@
 """Who am I: rank, sizes and rendezvous address, read from the launcher's environment.
 
 :func:`discover` is a pure function of an environment mapping, so every launcher's
-variables are checked by a table of cases (``tests/test_topology.py``).
+variables are checked by a table of cases (``tests/job/test_topology.py``).
 """
 
 from __future__ import annotations

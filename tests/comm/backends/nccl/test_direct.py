@@ -1,0 +1,284 @@
+"""The direct path of NCCL all-reduces (smddp/comm/backends/nccl/direct.py) on the host-memory stand-in.
+
+What torch's NCCL group does is the contract: a synchronous all-reduce runs on the caller's
+current stream and leaves nothing to track; an asynchronous one runs on the group's stream and
+its Work's future is CUDA-aware and complete as it is enqueued, so DDP's backward never waits for
+the device; the watchdog never makes a caller wait; collectives captured in a CUDA graph replay
+right. Ranks are threads (tests/helpers/nccl_ranks.py); every result is checked against values computed
+here from every rank's seeded inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
+from nccl_standin import HostStream, install
+
+from smddp.comm.backends.nccl import pending
+from smddp.comm.backends.nccl.direct import StreamWork
+from smddp.comm.backends.nccl.watchdog import Watchdog
+from smddp.comm.base import Op, Pending
+from smddp.comm.engine import Handle
+from smddp.errors import WaitTimeout
+from smddp.torch.process_group import SmddpProcessGroup
+
+pytestmark = pytest.mark.unit  # in-process, no job started: the fast tier
+
+
+def _opened(engine) -> None:
+    """Make the group's NCCL communicator (the first collective does, on the general path)."""
+    engine.all_reduce(torch.zeros(1), Op.SUM)
+    torch.cuda.current_stream().synchronize()
+
+
+def _count_new(monkeypatch, cls) -> list:
+    """A list that gets one entry per ``cls`` object made from now on."""
+    made, init = [], cls.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", counting)
+    return made
+
+
+def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_track(monkeypatch):
+    fake = install(monkeypatch, deferred=True)
+    handles = _count_new(monkeypatch, Handle)
+    pendings = _count_new(monkeypatch, pending.StreamOrdered)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        side, mine = nccl_comm._lane.side, torch.cuda.current_stream()
+        before = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+        first = engine.seq + 1
+        got = []
+        for i, (dtype, op) in enumerate([(torch.float32, Op.SUM), (torch.bfloat16, Op.AVERAGE),
+                                         (torch.int64, Op.MAX), (torch.float64, Op.PRODUCT)]):
+            t = seeded(r, (3, 4), dtype, i)
+            assert engine.all_reduce(t, op) is None
+            got.append(t)
+        records = [w for w in nccl_comm._watch._inflight if w.seq >= first]
+        after = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+        mine.synchronize()
+        return got, before, after, [w.held for w in records], engine._inflight
+
+    results = run_ranks(fake, 2, body)
+    for r in range(2):
+        got, before, after, held, inflight = results[r]
+        for i, (dtype, op) in enumerate([(torch.float32, Op.SUM), (torch.bfloat16, Op.AVERAGE),
+                                         (torch.int64, Op.MAX), (torch.float64, Op.PRODUCT)]):
+            assert torch.equal(got[i], expected_reduce(2, (3, 4), dtype, op, i)), (r, dtype, op)
+        # no handle, no Pending, nothing on the group's stream; the caller's stream ran them
+        assert after[:3] == before[:3] and after[3] > before[3]
+        assert all(h == () for h in held) and inflight == []
+
+
+def test_an_asynchronous_work_has_a_cuda_aware_future_complete_at_enqueue(monkeypatch):
+    fake = install(monkeypatch, deferred=True)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        mine, side = torch.cuda.current_stream(), nccl_comm._lane.side
+        opened = gate(mine)  # nothing queued after this on `mine` runs, nor on the group's stream after it
+        t = seeded(r, (6,), torch.float32, 1)
+        sent = t.clone()
+        work = engine.all_reduce(t, Op.SUM, async_op=True)
+        future = work.get_future()
+        state = {"future done at once": future.done(), "tensor untouched": torch.equal(t, sent),
+                 "completed while gated": work.is_completed(), "future is the Work's": work.get_future() is future,
+                 "devices": fake.futures[-1][1], "lane device": nccl_comm._lane.device}
+        with pytest.raises(WaitTimeout, match="still in flight"):
+            work.wait(timeout=timedelta(seconds=0.2))  # a timeout makes the host wait, as torch's
+        work.wait()  # no timeout: returns at once; `mine` now waits for the collective
+        seen = []
+        mine.enqueue(lambda: seen.append(t.clone()))  # a kernel queued after the wait
+        opened.set()
+        mine.synchronize()
+        side.synchronize()
+        state.update(kind=type(work), seen=seen[0], completed=work.is_completed(), success=work.is_success(),
+                     result=work.result()[0] is t, value=future.value()[0] is t)
+        return state
+
+    results = run_ranks(fake, 2, body)
+    want = expected_reduce(2, (6,), torch.float32, Op.SUM, 1)
+    for r in range(2):
+        s = results[r]
+        assert s["kind"] is StreamWork and s["future done at once"] and s["tensor untouched"]
+        assert not s["completed while gated"] and s["future is the Work's"]
+        assert s["devices"] == [s["lane device"]]  # CUDA-aware, on the group's device
+        assert torch.equal(s["seen"], want) and s["completed"] and s["success"] and s["result"] and s["value"]
+
+
+def test_a_ddp_backward_never_waits_for_the_device(monkeypatch):
+    """DDP's reducer reads its buckets' futures: complete at enqueue, it goes on; the all-reduces run
+    on the group's stream later, into the gradients (bucket views)."""
+    fake = install(monkeypatch)
+    handles = _count_new(monkeypatch, Handle)
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+    def body(r, engine, nccl_comm):
+        group = SmddpProcessGroup(engine, r, 2)
+        model = copy.deepcopy(reference)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+        side = nccl_comm._lane.side
+        side.defer()  # the group's stream runs its work later, like a GPU
+        opened = gate(side)
+        timer = threading.Timer(10.0, opened.set)  # a host that waited for the device would wait this long
+        timer.start()
+        made, futures = len(handles), len(fake.futures)
+        ddp(seeded(r, (5, 4), torch.float32, 2)).sum().backward()
+        returned_first = not opened.is_set()
+        opened.set()
+        timer.cancel()
+        side.synchronize()
+        got = [p.grad.clone() for p in model.parameters()]
+        return returned_first, len(handles) - made, fake.futures[futures:], got, nccl_comm._lane.device
+
+    results = run_ranks(fake, 2, body)
+    per_rank = []
+    for r in range(2):
+        reference.zero_grad()
+        reference(seeded(r, (5, 4), torch.float32, 2)).sum().backward()
+        per_rank.append([p.grad.clone() for p in reference.parameters()])
+    for r in range(2):
+        returned_first, new_handles, futures, got, device = results[r]
+        assert returned_first, "backward() waited for the group's stream"
+        assert new_handles == 0 and futures  # the buckets' futures (the ranks' together), no engine handle
+        assert all(f.done() and devices == [device] for f, devices in futures)
+        for i, grad in enumerate(got):
+            torch.testing.assert_close(grad, (per_rank[0][i] + per_rank[1][i]) / 2, rtol=0, atol=1e-6)
+
+
+def test_the_watchdog_queries_events_holding_no_lock_and_callers_never_wait_for_it(monkeypatch):
+    fake = install(monkeypatch)
+    in_query, release = threading.Event(), threading.Event()
+
+    def probe(event) -> None:
+        if threading.current_thread().name.startswith("smddp-nccl-watchdog") and not release.is_set():
+            in_query.set()
+            release.wait(JOIN)  # the watchdog is stuck in an event query
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        fake.on_query = probe
+        t = seeded(r, (4,), torch.float32, 3)
+        engine.all_reduce(t, Op.SUM)
+        assert in_query.wait(JOIN), "the watchdog never looked"
+        start = time.monotonic()
+        for _ in range(50):  # callers start operations while the watchdog sits in a query
+            engine.all_reduce(t, Op.SUM)
+            engine.all_reduce(t, Op.SUM, async_op=True).wait()
+        took = time.monotonic() - start
+        stuck = not release.is_set()
+        release.set()
+        return took, stuck, nccl_comm._watch.drain()
+
+    took, stuck, drained = run_ranks(fake, 1, body)[0]
+    assert stuck and took < JOIN / 2 and drained
+
+
+class _Event:
+    """A CUDA event a test completes by hand."""
+
+    def __init__(self, done: bool = False):
+        self.done, self.queries = done, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+def test_the_watchdog_takes_completed_records_in_order_and_reads_the_oldest_deadline():
+    expired = []
+    watch = Watchdog(60.0, lambda watched, error: expired.append((watched.seq, error)), lambda: None)
+    first = watch.start(1, "all_reduce", held=("first's tensor",))
+    second = watch.start(2, "all_reduce", held=("second's tensor",))
+    first.event, second.event = _Event(), _Event(done=True)
+    assert watch._look() == (None, None)
+    # the second completed first: it stays until the first does, and its event is not even asked
+    assert list(watch._inflight) == [first, second] and second.event.queries == 0
+    first.event.done = True
+    assert watch._look() == (None, None) and not watch._inflight and first.held == second.held == ()
+    third = watch.start(3, "broadcast")
+    third.event, third.deadline = _Event(), time.monotonic() - 1  # past its deadline
+    assert watch._look() == (third, None)
+    watch.stop()
+
+
+def test_collectives_captured_in_a_cuda_graph_replay_with_the_right_results(monkeypatch):
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        capture = HostStream(fake)  # graphs capture on a stream of their own
+        fake.current.stream = capture
+        t, u = torch.zeros(5), torch.zeros(3, dtype=torch.float64)
+        watched = len(nccl_comm._watch._inflight)
+        with fake.capture(capture) as graph:
+            engine.all_reduce(t, Op.SUM)
+            engine.all_reduce(u, Op.MAX, async_op=True).wait()
+        state = {"watched during capture": len(nccl_comm._watch._inflight) - watched, "replays": []}
+        for replay in range(3):
+            t.copy_(seeded(r, (5,), torch.float32, 10 + replay))
+            u.copy_(seeded(r, (3,), torch.float64, 20 + replay))
+            graph.replay()
+            capture.synchronize()
+            state["replays"].append((t.clone(), u.clone()))
+        return state
+
+    results = run_ranks(fake, 2, body)
+    for r in range(2):
+        s = results[r]
+        assert s["watched during capture"] == 0
+        for replay, (t, u) in enumerate(s["replays"]):
+            assert torch.equal(t, expected_reduce(2, (5,), torch.float32, Op.SUM, 10 + replay))
+            assert torch.equal(u, expected_reduce(2, (3,), torch.float64, Op.MAX, 20 + replay))
+    # the watchdog may look at events recorded before a capture meanwhile: only in relaxed mode
+    assert set(fake.queries_during_capture) <= set(fake.relaxed)
+    assert any(name.startswith("smddp-nccl-watchdog") for name in fake.relaxed)
+
+
+class _Held(Pending):
+    """An operation of the general path that completes when a test says so."""
+
+    done = False
+
+    def test(self) -> bool:
+        return self.done
+
+
+def test_what_the_direct_path_cannot_take_goes_the_general_way_in_issue_order(monkeypatch):
+    """Converted dtypes (bool), strided tensors, a general-path collective still in flight: the
+    general path, whose handles complete in issue order."""
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        kinds = {}
+        b = seeded(r, (7,), torch.bool, 4)
+        kinds["bool"] = type(engine.all_reduce(b, Op.SUM, async_op=True))
+        strided = seeded(r, (4, 2), torch.float32, 5).t()
+        kinds["strided"] = type(engine.all_reduce(strided, Op.SUM, async_op=True))
+        held = _Held()  # a collective of the general path still in flight (a CPU one, say)
+        first = engine.run("held", lambda seq: held, async_op=True)
+        kinds["behind one in flight"] = type(engine.all_reduce(torch.ones(2), Op.SUM, async_op=True))
+        held.done = True
+        first.wait()
+        kinds["after"] = type(engine.all_reduce(torch.ones(2), Op.SUM, async_op=True))
+        torch.cuda.current_stream().synchronize()
+        return kinds, b, strided
+
+    for kinds, b, strided in run_ranks(fake, 2, body).values():
+        assert kinds == {"bool": Handle, "strided": Handle, "behind one in flight": Handle, "after": StreamWork}
+        assert torch.equal(b, expected_reduce(2, (7,), torch.bool, Op.SUM, 4))
+        assert torch.equal(strided, expected_reduce(2, (4, 2), torch.float32, Op.SUM, 5).t())

@@ -1,0 +1,111 @@
+"""The engine owns every operation in flight: dropped handles never change a result.
+
+Issue 13: an async all_reduce whose Work was dropped ended with different values on each
+rank (AVERAGE's divide and the copy-back never ran; the ring stopped posting its stages).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launchers import mpirun, python, rank_lines, torchrun
+
+SCRIPT = "tests/ranks/dropped_handles.py"
+
+
+def assert_all_ranks_passed(result, size: int) -> None:
+    assert result.returncode == 0, result.output
+    assert not rank_lines(result.stdout, "FAIL"), result.output
+    passed = rank_lines(result.stdout, "PASSED")
+    assert sorted(passed) == list(range(size)), result.output
+    assert all(int(count) >= 50 for count in passed.values()), passed
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_dropped_handles_mpi(np):
+    assert_all_ranks_passed(mpirun(np, [SCRIPT], timeout=240), np)
+
+
+def test_dropped_handles_gloo_torchrun():
+    assert_all_ranks_passed(torchrun(2, [SCRIPT], timeout=240), 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_exit_with_operations_in_flight(np):
+    """The script ends with dropped operations in flight: every rank exits 0, no abort."""
+    result = mpirun(np, [SCRIPT, "exit-in-flight"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "EXITING")) == list(range(np)), result.output
+    for sign in ("terminate called", "Aborted", "NBC_Start_round", "Segmentation"):
+        assert sign not in result.output, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("level, refused", [("serialized", True), ("multiple", False)])
+def test_mpi_thread_level_checked(level, refused):
+    """The engine calls MPI from several threads: a lower level is refused, naming it."""
+    code = (
+        "import mpi4py\n"
+        f"mpi4py.rc.thread_level = {level!r}\n"
+        "from smddp.comm.backends import mpi\n"
+        "try:\n"
+        "    mpi._check_thread_level()\n"
+        "except mpi.BackendUnavailableError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "else:\n"
+        "    print('ACCEPTED')\n"
+    )
+    result = python(["-c", code], timeout=60)
+    assert result.returncode == 0, result.output
+    if refused:
+        assert "REFUSED" in result.stdout and "MPI_THREAD_SERIALIZED" in result.stdout, result.output
+    else:
+        assert "ACCEPTED" in result.stdout, result.output
+
+
+def test_collective_done_as_it_starts_needs_no_thread():
+    """An asynchronous collective that completed as it started, with nothing in flight before
+    it, is done at once: its handle, torch's Work and future, and a callback added later; no
+    progress thread is started for it. One rank: its communicator completes everything at once."""
+    code = (
+        "import torch, torch.distributed as tdist\n"
+        "import smddp.torch.torch_smddp\n"
+        "tdist.init_process_group(backend='smddp')\n"
+        "import smddp.torch.distributed as dist\n"
+        "from smddp.torch import groups\n"
+        "engine = groups.current().engine\n"
+        "t = torch.arange(4.0)\n"
+        "h = dist.all_reduce(t, op=dist.ReduceOp.AVERAGE, async_op=True)\n"
+        "seen = []\n"
+        "h.add_done_callback(lambda handle: seen.append(handle.seq))\n"
+        "work = tdist.all_reduce(t, async_op=True)\n"
+        "future = tdist.broadcast(t, 0, async_op=True).get_future()\n"
+        "print('DONE', h.is_completed(), work.is_completed(), future.done(), seen == [h.seq])\n"
+        "print('THREAD', engine._thread is not None, len(engine._inflight))\n"
+        "print('VALUES', t.tolist())\n"
+        "tdist.destroy_process_group()\n"
+    )
+    result = python(["-c", code], timeout=120)
+    assert result.returncode == 0, result.output
+    assert "DONE True True True True" in result.stdout, result.output
+    assert "THREAD False 0" in result.stdout, result.output
+    assert "VALUES [0.0, 1.0, 2.0, 3.0]" in result.stdout, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["error", "interrupt"])
+def test_a_failed_synchronous_collective_keeps_its_buffers(how):
+    """Issue 33 item 10: the ring's receive into its scratch is still posted when rank 0 fails.
+
+    The engine keeps the failed operation, so rank 1's part lands in live memory, intact; on
+    main, an interrupted one was dropped (its scratch freed under MPI: the process aborted).
+    """
+    result = mpirun(2, ["tests/ranks/failed_ring.py", how], timeout=120,
+                    env={"SMDDP_CPU_PLANE": "mpi", "SMDDP_TIMEOUT": "4"})
+    assert rank_lines(result.stdout, "INTERRUPTED" if how == "interrupt" else "FAILED").keys() == {0}, result.output
+    assert rank_lines(result.stdout, "KEPT") == {0: "65536"}, result.output
+    assert rank_lines(result.stdout, "TIMEOUT").keys() == {1}, result.output  # the peer is told, in time
+    for sign in ("DROPPED", "CORRUPT", "UNEXPECTED", "Process received signal", "Segmentation"):
+        assert sign not in result.output, result.output

@@ -1,0 +1,95 @@
+"""The shared-memory CPU plane under every launcher: each rank's all-reduces exact, and the plane named.
+
+The plane meets its host-mates through the job's torch Store, so mpirun, smddprun (both
+launchers), torchrun, ``torch.multiprocessing.spawn`` and torchrun's c10d rendezvous across two
+hosts (the hierarchical plane over gloo) all get it. Lightning's launcher, srun and local mode
+check the plane in tests/integrations/test_integrations.py, tests/launch/test_slurm.py and
+tests/sagemaker/test_local_mode.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import pytest
+
+from launchers import RANKS, ROOT, free_port, mpirun, python, rank_lines, run, torchrun
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from netns_hosts import NamespaceError, two_hosts  # noqa: E402
+
+SCRIPT = str(RANKS / "plane_report.py")
+SMDDPRUN = [sys.executable, "-m", "smddp.launch"]
+
+
+def assert_plane(result, size: int, backend: str, plane: str) -> None:
+    assert result.returncode == 0, result.output
+    assert sorted(rank_lines(result.stdout, "PASSED")) == list(range(size)), result.output
+    assert rank_lines(result.stdout, "PLANE") == {r: f"{backend} {plane}" for r in range(size)}, result.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_mpirun(np):
+    assert_plane(mpirun(np, [SCRIPT, "v1"], timeout=180), np, "mpi", "shm")
+
+
+@pytest.mark.mpi
+def test_smddprun_over_mpirun():
+    assert_plane(run([*SMDDPRUN, "--launcher", "mpirun", "-np", "2", SCRIPT, "v1"], timeout=180), 2, "mpi", "shm")
+
+
+def test_smddprun_on_one_host():
+    # smddprun's default on one host: it starts the ranks itself (its local launcher).
+    result = run([*SMDDPRUN, "-np", "2", SCRIPT, "v1"], timeout=180)
+    assert_plane(result, 2, "gloo", "shm")
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_torchrun_standalone(np):
+    assert_plane(torchrun(np, [SCRIPT, "v2"], timeout=180), np, "gloo", "shm")
+
+
+def test_torchrun_v1_api():
+    assert_plane(torchrun(2, [SCRIPT, "v1"], timeout=180), 2, "gloo", "shm")
+
+
+def test_multiprocessing_spawn_with_env_init():
+    assert_plane(python([SCRIPT, "spawn"], timeout=180), 2, "gloo", "shm")
+
+
+def test_debug_log_says_which_plane_and_why():
+    result = torchrun(2, [SCRIPT, "v2"], timeout=180, env={"SMDDP_DEBUG": "1"})
+    assert_plane(result, 2, "gloo", "shm")
+    assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.output, result.output
+
+
+def test_pinned_gloo_plane_under_torchrun():
+    result = torchrun(2, [SCRIPT, "v2"], timeout=180, env={"SMDDP_CPU_PLANE": "gloo"})
+    assert_plane(result, 2, "gloo", "gloo")
+
+
+def test_torchrun_c10d_across_two_hosts_is_hierarchical_over_gloo():
+    """Two network-namespace hosts of two ranks each, met by torchrun's c10d rendezvous."""
+    try:
+        hosts_cm = two_hosts()
+        hosts = hosts_cm.__enter__()
+    except NamespaceError as exc:
+        pytest.skip(f"two namespace hosts cannot be made here: {exc}")
+    try:
+        endpoint = f"10.213.{hosts.subnet}.1:{free_port()}"
+        commands = []
+        for node, host in enumerate(("host1", "host2")):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                    "--rdzv-id", "smddp-test", "--tee", "3", SCRIPT, "v2"]
+            env = ["env", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1",
+                   "SMDDP_HIERARCHICAL_MIN_BYTES=65536"]
+            commands.append(" ".join(shlex.quote(a) for a in hosts.command([*env, *argv], host)))
+        # Both hosts at once; the job's output is the two torchruns' output together.
+        result = run(["bash", "-c", f"{commands[1]} & {commands[0]}; status=$?; wait $! || status=1; exit $status"],
+                     timeout=300)
+    finally:
+        hosts_cm.__exit__(None, None, None)
+    assert_plane(result, 4, "gloo", "hierarchical")
