@@ -14,7 +14,8 @@ seconds. ``--data-dir`` (or SageMaker's ``SM_CHANNEL_TRAINING``) may instead hol
 (and optionally ``test.pt``): a ``{"images": N x 1 x 28 x 28 float, "labels": N int}`` dict
 saved with ``torch.save``. Rank 0 prints the loss of every epoch and saves the model to
 ``--model-dir``; every rank ends with ``WEIGHTS <rank> <sha256 of its parameters>``, the same
-on every rank because gradients were averaged.
+on every rank because gradients were averaged, and rank 0 gathers every rank's digest and says
+whether they agree (the run fails when they do not).
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ def parameters_sha256(model: nn.Module) -> str:
     for p in model.parameters():
         digest.update(bytes(p.detach().to("cpu", copy=True).contiguous().untyped_storage()))
     return digest.hexdigest()
+
+
+def same_weights_everywhere(digest: str, device) -> bool:
+    """Whether every rank's parameter digest equals rank 0's (an all_gather of the 32 bytes)."""
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.int32, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(other, every[0]) for other in every)
 
 
 def train(model, device, train_loader, optimizer) -> float:
@@ -172,8 +181,15 @@ def main():
         path = os.path.join(args.model_dir, "model.pt")
         torch.save(model.module.state_dict(), path)
         print(f"Saved {path}", flush=True)
-    print(f"WEIGHTS {rank} {parameters_sha256(model.module)}", flush=True)
+    digest = parameters_sha256(model.module)
+    print(f"WEIGHTS {rank} {digest}", flush=True)
+    same = same_weights_everywhere(digest, device)
+    if rank == 0:
+        print(f"Every rank holds the same weights ({world_size} of {world_size})" if same else
+              "The ranks' weights differ: gradients were not averaged alike", flush=True)
     dist.destroy_process_group()
+    if not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def assert_trained(result, np: int, epochs: int, model_dir: Path) -> None:
     weights = final_weights(result.stdout)
     assert sorted(weights) == list(range(np)), result.output
     assert len(set(weights.values())) == 1, f"ranks ended with different weights: {weights}"
+    assert f"Every rank holds the same weights ({np} of {np})" in result.stdout, result.output
     assert result.stdout.count("Saved ") == 1, result.output  # rank 0 alone saves
     state = torch.load(model_dir / "model.pt", weights_only=True)
     assert "fc2.weight" in state, list(state)
