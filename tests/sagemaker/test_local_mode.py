@@ -3,7 +3,7 @@
 Each job starts real processes through smddprun (or torchrun), and the training script reports
 what it saw (rank, arguments, every SM_* variable, its channels) into SM_OUTPUT_DATA_DIR, which
 local mode packs as output.tar.gz next to model.tar.gz, as SageMaker does. The notebook is
-executed end to end.
+executed end to end. The default output directory is private to the user, and one it does not own is refused.
 """
 
 from __future__ import annotations
@@ -330,3 +330,78 @@ def test_quickstart_notebook_runs():
     assert "completed in" in text and "processes: 2" in text
     assert "Skipped the SageMaker job" in text
     assert len(images) == 1, "the loss plot"
+
+
+# ---------------------------------------------------------------------------- local mode's output
+SAVE = """\
+import os
+with open(os.path.join(os.environ["SM_MODEL_DIR"], "weights"), "w") as f:
+    f.write("42")
+"""
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A temporary directory of this test's, as ``tempfile.gettempdir()`` and ``$TMPDIR``."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "save.py").write_text(SAVE)
+    return tmp, src / "save.py"
+
+
+def _estimator(script: Path):
+    from smddp.sagemaker import PyTorch
+
+    return PyTorch(entry_point=str(script), instance_type="local", max_run=120)
+
+
+def test_local_mode_default_output_is_private_to_the_user(private_tmp):
+    tmp, script = private_tmp
+    default = tmp / f"smddp-local-{os.getuid()}"
+    default.mkdir(mode=0o755)  # left by an older run, as the old default was made
+    os.chmod(default, 0o755)
+    old = os.umask(0o027)
+    try:
+        est = _estimator(script)
+        job = est.fit(logs=False)
+    finally:
+        os.umask(old)
+    model = Path(est.model_data)
+    assert model == default / job.name / "output" / "model.tar.gz", est.model_data
+    assert oct(os.stat(default).st_mode & 0o777) == oct(0o700)
+    assert os.stat(default).st_uid == os.getuid()
+    # The archive's mode is the umask's (0o666 & ~0o027), not a fixed 0o644.
+    assert oct(os.stat(model).st_mode & 0o777) == oct(0o640)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+@pytest.mark.parametrize("planted", ["other user", "link"])
+def test_local_mode_refuses_a_default_output_it_does_not_own(private_tmp, planted):
+    import smddp
+
+    tmp, script = private_tmp
+    default = tmp / f"smddp-local-{os.getuid()}"
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "other user":
+        default.mkdir(mode=0o777)
+        os.chown(default, 65534, 65534)  # nobody
+    else:
+        default.symlink_to(elsewhere, target_is_directory=True)
+    est = _estimator(script)
+    with pytest.raises(smddp.UnsafePathError) as caught:
+        est.fit(logs=False)
+    message = str(caught.value)
+    assert isinstance(caught.value, PermissionError)
+    assert str(default) in message and "output_path=" in message and "TMPDIR" in message, message
+    assert ("belongs to user id 65534" if planted == "other user" else "is a link") in message, message
+    # Nothing was written there, and no job ran.
+    assert list(elsewhere.iterdir()) == [] and (planted == "link" or list(default.iterdir()) == [])
+    assert not [p for p in tmp.iterdir() if p.name.startswith("smddp-") and p != default]
