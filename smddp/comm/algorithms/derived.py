@@ -93,18 +93,28 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
 
         check = _check(engine, "reduce_scatter", op, src)
         return _start(engine, "reduce_scatter_tensor", native, check, inputs, result, async_op)
+    return _exchange_and_reduce(engine, comm, "reduce_scatter_tensor", output, src, [n] * engine.size, op,
+                                inputs, result, async_op)
+
+
+def _exchange_and_reduce(engine: Engine, comm, op_name: str, output: torch.Tensor, src: torch.Tensor,
+                         send_counts: Sequence[int], op: Op, inputs, result, async_op: bool) -> Optional[Handle]:
+    """A reduce-scatter where the library has none: ``all_to_all_single`` sends ``send_counts[r]``
+    elements of flat ``src`` to rank ``r`` and receives ``output.numel()`` from each; this rank
+    then reduces the rows in rank order into ``output``."""
     if not output.is_contiguous():
-        check_writable(output, "reduce_scatter_tensor", "output")
-    comm.check_reduction(src.dtype, op, "reduce_scatter_tensor")  # reduced here, by reduce_rows
+        check_writable(output, op_name, "output")
+    comm.check_reduction(src.dtype, op, op_name)  # reduced here, by reduce_rows
+    n = output.numel()
     rows = torch.empty((engine.size, n), dtype=src.dtype, device=src.device)
-    counts = [n] * engine.size
+    receive = [n] * engine.size
 
     def start(seq: int) -> Pending:
-        pending = comm.all_to_all_single(rows.view(-1), src, counts, counts, seq)
+        pending = comm.all_to_all_single(rows.view(-1), src, receive, send_counts, seq)
         return then(pending, lambda: reduce_rows(rows, op, output), src, rows)
 
-    check = _check(engine, "all_to_all_single", None, src, None, False, (counts, counts))
-    return _start(engine, "reduce_scatter_tensor", start, check, inputs, result, async_op)
+    check = _check(engine, "all_to_all_single", None, src, None, False, (send_counts, receive))
+    return _start(engine, op_name, start, check, inputs, result, async_op)
 
 
 def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Op,
@@ -135,11 +145,10 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
     packed = torch.cat([flat(t) for t in inputs])
     if counts.count(counts[0]) == len(counts):
         return reduce_scatter_tensor(engine, output, packed, op, (output,), async_op)
-    if not output.is_contiguous():
-        check_writable(output, "reduce_scatter", "output")
-    n = output.numel()
     if comm.native_reduce_scatter:  # the library reduces: all of it, then this rank's chunk
-        first = sum(counts[:engine.rank])
+        if not output.is_contiguous():
+            check_writable(output, "reduce_scatter", "output")
+        first, n = sum(counts[:engine.rank]), output.numel()
 
         def copy_out() -> None:
             output.detach().copy_(packed[first:first + n].view(output.shape))
@@ -149,16 +158,8 @@ def reduce_scatter(engine: Engine, output: torch.Tensor, input_list: Sequence[to
 
         return _start(engine, "reduce_scatter", reduce_all, _check(engine, "all_reduce", op, packed), inputs,
                       (output,), async_op)
-    comm.check_reduction(packed.dtype, op, "reduce_scatter")  # reduced here, by reduce_rows
-    rows = torch.empty((engine.size, n), dtype=packed.dtype, device=packed.device)
-    receive = [n] * engine.size
-
-    def start(seq: int) -> Pending:
-        pending = comm.all_to_all_single(rows.view(-1), packed, receive, counts, seq)
-        return then(pending, lambda: reduce_rows(rows, op, output), packed, rows)
-
-    check = _check(engine, "all_to_all_single", None, packed, None, False, (counts, receive))
-    return _start(engine, "reduce_scatter", start, check, inputs, (output,), async_op)
+    return _exchange_and_reduce(engine, comm, "reduce_scatter", output, packed, counts, op, inputs, (output,),
+                                async_op)
 
 
 def reduce(engine: Engine, tensor: torch.Tensor, op: Op) -> Handle:

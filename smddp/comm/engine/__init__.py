@@ -28,8 +28,9 @@ Thread model (docs/architecture.md has the whole of it): any thread may start a 
 tested under the engine's lock by the progress thread and by threads that wait; a
 synchronous operation with nothing in flight is tested by its caller alone. Threads thus
 call the library concurrently: the ``mpi`` backend requires ``MPI_THREAD_MULTIPLE`` and
-checks it at init. Callbacks run outside the lock, in the thread that completed the
-operation.
+checks it at init. Callbacks run outside the lock: in a thread that waited for the
+operation, or on a completion thread (:mod:`smddp.comm.engine.completer`), never on the
+progress thread.
 """
 
 from __future__ import annotations
