@@ -16,6 +16,9 @@ a world of one. Contenders, on a 256-element float32 tensor, all through
 - ``async``: ``all_reduce(t, async_op=True).wait()`` (the group's stream, a CUDA-aware future);
 - ``null``: ``all_reduce(t)`` on a Python ProcessGroup that returns at once (a completed ``Work``
   made once, for ``async_op=True``): what torch's API and a Python backend cost at the least.
+- ``args``: ``all_reduce(t)`` on a Python ProcessGroup that reads what every backend must read of
+  the call (the tensor, the reduction and ``asyncOp`` of torch's options; whether torch's profiler
+  records) and returns: the floor of any Python group that does the work asked.
 
 Each round times ``--iters`` calls of each contender in turn (CPU time of the whole process,
 ``time.process_time``: the watchdog's and any other thread's too); each line is the median over
@@ -24,8 +27,11 @@ rounds of the CPU time per call, in microseconds::
     HOSTCOST sync <us>
     HOSTCOST async <us>
     HOSTCOST null <us>
+    HOSTCOST args <us>
 
-followed by the ratios to ``null``, medians of the within-round ratios. The stand-in's own
+followed by the ratios to ``null``, medians of the within-round ratios, and the NCCL watchdog's
+event queries per smddp call (its thread's share of the host's cost, which the medians of short
+rounds mostly miss: it looks every 50 ms). The stand-in's own
 streams and events are Python, a little dearer than torch's C calls: the figures are an upper
 bound of smddp's share on a GPU host (``benchmarks/gpu_call_cost.py`` measures that one there).
 """
@@ -45,7 +51,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # the NCCL sta
 
 def build(monkeypatch):
     """A world of one on the stand-in: smddp's ProcessGroup over an engine whose tensors go to NCCL,
-    and a null ProcessGroup. Returns ``(smddp_group, null_group, fake)``."""
+    a null ProcessGroup and one that reads its arguments.
+
+    Returns ``(smddp_group, null_group, args_group, fake, engine)``."""
     import torch
     import torch.distributed as tdist
     from nccl_standin import install
@@ -74,7 +82,19 @@ def build(monkeypatch):
         def allreduce(self, tensors, opts=None):
             return work if getattr(opts, "asyncOp", True) else None
 
-    return group, NullGroup(0, 1), fake, engine
+    from smddp.comm.engine.events import active as profiling
+    from smddp.torch.process_group import torch_op
+
+    class ArgsGroup(tdist.ProcessGroup):
+        """A Python ProcessGroup whose all-reduce reads the call's arguments, then returns."""
+
+        def allreduce(self, tensors, opts=None):
+            if profiling():
+                raise RuntimeError("not under torch.profiler")
+            tensor, op = tensors[0], torch_op(opts.reduceOp)  # noqa: F841 - read, as any backend must
+            return None if not opts.asyncOp else work
+
+    return group, NullGroup(0, 1), ArgsGroup(0, 1), fake, engine
 
 
 def measure(iters: int, rounds: int):
@@ -84,7 +104,7 @@ def measure(iters: int, rounds: int):
     import torch.distributed as tdist
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        group, null, fake, engine = build(monkeypatch)
+        group, null, args, fake, engine = build(monkeypatch)
         t = torch.ones(256)
         tdist.all_reduce(t, group=group)  # makes the communicator (the first call's general path)
 
@@ -97,10 +117,14 @@ def measure(iters: int, rounds: int):
         def null_call():
             tdist.all_reduce(t, group=null)
 
-        contenders = {"sync": sync, "async": async_wait, "null": null_call}
+        def args_call():
+            tdist.all_reduce(t, group=args)
+
+        contenders = {"sync": sync, "async": async_wait, "null": null_call, "args": args_call}
         for call in contenders.values():
             for _ in range(200):
                 call()
+        queries = len(fake.queries)
         times = {name: [] for name in contenders}
         for _ in range(rounds):
             for name, call in contenders.items():
@@ -108,12 +132,13 @@ def measure(iters: int, rounds: int):
                 for _ in range(iters):
                     call()
                 times[name].append((time.process_time() - start) / iters)
+        queries = len(fake.queries) - queries  # before close(): its drain asks what is left
         engine.close()
         comm = engine.comms["cpu"]
         comm.close()
         for stream in fake.streams.values():
             stream.close()
-    return times
+    return times, queries / (2 * iters * rounds)
 
 
 def main(argv=None) -> None:
@@ -127,12 +152,13 @@ def main(argv=None) -> None:
 
     print(f"# python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
-    times = measure(args.iters, args.rounds)
-    for name in ("sync", "async", "null"):
+    times, queries = measure(args.iters, args.rounds)
+    for name in ("sync", "async", "null", "args"):
         print(f"HOSTCOST {name} {statistics.median(times[name]) * 1e6:.2f}")
-    for name in ("sync", "async"):
+    for name in ("sync", "async", "args"):
         ratio = statistics.median(a / b for a, b in zip(times[name], times["null"]))
         print(f"# {name} / null: {ratio:.2f}x (median of within-round ratios)")
+    print(f"# the NCCL watchdog's event queries per smddp call: {queries:.3f}")
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
 
 

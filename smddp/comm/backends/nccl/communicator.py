@@ -314,7 +314,7 @@ class NCCLCommunicator(Communicator):
                 f"arrived (as torch's NCCL barrier does); call it before or after the capture")
         failure = event = None
         with lane.calling(self._refusal) as comm:
-            watched = None if capturing else self._watch.start(seq, op_name, held)
+            watched = None if capturing else self._watch.start(seq, op_name, held, lane.streams.key_of(stream))
             try:
                 # NCCL's asynchronous error (a peer died) fails the next call, as it starts: the
                 # watchdog polls it between calls, and tests of operations in flight do not.

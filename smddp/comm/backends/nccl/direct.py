@@ -57,16 +57,18 @@ class StreamWork(_Work):
         path: the direct path that enqueued it (it makes the future, on demand).
         event: the CUDA event recorded after it, or None (enqueued during a graph capture).
         result: the output tensors.
-        name: the collective's name and sequence number, for errors.
+        name: the collective's name, for errors.
+        seq: its sequence number, for errors.
         future: its CUDA-aware future, if made already (a captured collective's).
     """
 
-    __slots__ = ("_path", "_event", "_result", "_name", "_future")
+    __slots__ = ("_path", "_event", "_result", "_name", "_seq", "_future")
 
-    def __init__(self, path: DirectPath, event, result: list, name: str,
+    def __init__(self, path: DirectPath, event, result: list, name: str, seq: int,
                  future: Optional[torch.futures.Future] = None):
         _Work.__init__(self)
-        self._path, self._event, self._result, self._name, self._future = path, event, result, name, future
+        self._path, self._event, self._result, self._name, self._seq = path, event, result, name, seq
+        self._future = future
 
     def wait(self, timeout=None) -> bool:
         """Make the calling thread's current stream wait for the collective; the host does not wait.
@@ -93,8 +95,9 @@ class StreamWork(_Work):
                     if owner._error is not None:  # the watchdog gave up on it (or on one before it)
                         raise owner._error
                     if time.monotonic() > stop:
-                        raise WaitTimeout(f"{self._name} did not complete within the {limit:g} s this wait() "
-                                          f"allowed on rank {owner.rank}; it is still in flight")
+                        raise WaitTimeout(f"{self._name} (sequence number {self._seq}) did not complete within "
+                                          f"the {limit:g} s this wait() allowed on rank {owner.rank}; it is "
+                                          f"still in flight")
                     time.sleep(1e-4)
                 owner.raise_failure()
         self._path.streams.current()[1].wait_event(event)
@@ -192,7 +195,9 @@ class DirectPath:
             key, current = streams.current()
             capturing = streams.capturing()
             side = self._side if async_op and not capturing else None
-            watched = None if capturing else self._watch.start(seq, name, () if side is None else (tensor,))
+            watched = None if capturing else (
+                self._watch.start(seq, name, (), key) if side is None else
+                self._watch.start(seq, name, (tensor,), self._side_key))
             try:
                 comm.check_async_error()  # NCCL's asynchronous error (a peer died) fails this call
                 count = tensor.numel()
@@ -225,8 +230,8 @@ class DirectPath:
         if watched is None:  # captured: complete the future on the capturing stream now
             future = self._future(self.device)
             future.set_result(result)
-            return StreamWork(self, None, result, f"{name} (sequence number {seq})", future)
-        return StreamWork(self, watched.event, result, f"{name} (sequence number {seq})")
+            return StreamWork(self, None, result, name, seq, future)
+        return StreamWork(self, watched.event, result, name, seq)
 
     def completed(self, result: list) -> torch.futures.Future:
         """A CUDA-aware future with ``result``, completed on the group's stream (its event goes there)."""

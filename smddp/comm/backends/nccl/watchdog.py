@@ -19,6 +19,14 @@ order and reads the deadline of the oldest one left (a later operation started l
 deadline is later); it queries events holding no lock. Events of synchronous operations are
 kept in a pool (:meth:`Watchdog.event`) and recorded again once done, as torch caches its own.
 
+A look queries one event per stream, not one per operation: a record names its stream, and
+the thread first asks the newest record of each stream; once that one is complete, every
+record made before it on the same stream is too (a stream runs its work in order), and is
+taken off unasked. This holds because callers make records and record their events one
+operation at a time (the engine's start lock), so on one stream records are numbered in the
+order their events were recorded. A record with no stream is asked itself. Thousands of small
+collectives between two looks then cost the thread two queries, not thousands.
+
 An operation enqueued during a CUDA graph capture is not watched (as torch's are not): its
 event would not be a real one. The thread sets its CUDA capture mode to *relaxed* when it
 starts (:func:`relax_capture_mode`), so that its queries of events recorded before a capture
@@ -37,9 +45,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
@@ -93,13 +102,15 @@ class Watched:
         held: what its stream uses (tensors, and the steps queued after it), kept until
             ``event`` completes.
         pooled: ``event`` goes back to the watchdog's pool once it completes.
+        stream: the key of the stream ``event`` is recorded on (hashable), or None.
+        n: the record's number: records are numbered in the order they are made.
     """
 
-    __slots__ = ("seq", "op_name", "deadline", "event", "held", "pooled")
+    __slots__ = ("seq", "op_name", "deadline", "event", "held", "pooled", "stream", "n")
 
-    def __init__(self, seq: int, op_name: str, deadline: float, held: Any = ()):
+    def __init__(self, seq: int, op_name: str, deadline: float, held: Any = (), stream: Any = None, n: int = 0):
         self.seq, self.op_name, self.deadline, self.event, self.held = seq, op_name, deadline, None, held
-        self.pooled = False
+        self.pooled, self.stream, self.n = False, stream, n
 
     def done(self) -> bool:
         """True once the GPU has finished the operation."""
@@ -133,23 +144,33 @@ class Watchdog:
         self.expired = False
         #: Events of completed operations, for :meth:`event`.
         self._free: List[Any] = []
+        #: Stream key to the newest record made on that stream (see the module docstring).
+        self._newest: Dict[Any, Watched] = {}
+        self._numbers = itertools.count(1)
         self._taken = 0  # records the latest look took off
         #: The CUDA device index the thread sets before it looks at events (None: leave it).
         self.device: Optional[int] = None
 
     # ------------------------------------------------------------------ the callers' side
-    def start(self, seq: int, op_name: str, held: Any = ()) -> Watched:
+    def start(self, seq: int, op_name: str, held: Any = (), stream: Any = None) -> Watched:
         """Watch an operation about to be enqueued; set its ``event`` once it is.
+
+        Make one operation's record and record its event before the next one's (the engine's
+        start lock does).
 
         Args:
             seq: its sequence number.
             op_name: its name, for the error.
             held: what its stream uses, kept until its event completes.
+            stream: the key of the stream its event will be recorded on (a look then asks only
+                the newest record of that stream), or None (its own event is asked).
 
         Returns:
             The record; the operation counts as in flight until its event completes.
         """
-        watched = Watched(seq, op_name, _monotonic() + self.timeout, held)
+        watched = Watched(seq, op_name, _monotonic() + self.timeout, held, stream, next(self._numbers))
+        if stream is not None:
+            self._newest[stream] = watched  # before it is in flight: see _look
         self._inflight.append(watched)  # _add(), inline: on the path of every NCCL call
         if self._idle:
             self._wake.set()
@@ -160,8 +181,10 @@ class Watchdog:
     def follow(self, watched: Watched, event, held: Any) -> Watched:
         """Watch a step queued after ``watched`` on its stream (a copy back): same operation and
         deadline, ``event`` recorded after the step, ``held`` kept until then."""
-        after = Watched(watched.seq, watched.op_name, watched.deadline, held)
+        after = Watched(watched.seq, watched.op_name, watched.deadline, held, watched.stream, next(self._numbers))
         after.event = event
+        if after.stream is not None:
+            self._newest[after.stream] = after
         self._add(after)
         return after
 
@@ -242,10 +265,22 @@ class Watchdog:
             self._check()
         except Exception as exc:  # noqa: BLE001 - NCCL's error, reported through expire()
             return (inflight[0] if inflight else Watched(0, "an operation in flight", 0.0)), exc
+        # Each stream's newest record, asked first: records numbered up to it on that stream are
+        # done too. A record is in _newest before it is in flight, so one made after this
+        # snapshot has a higher number and is asked itself.
+        done_upto = {}
+        newest = self._newest
+        for stream, last in list(newest.items()):
+            event = last.event
+            if event is not None and event.query():
+                done_upto[stream] = last.n
+                if newest.get(stream) is last:  # nothing newer on it: forget the stream (a caller
+                    del newest[stream]          # racing this only costs its record a query)
         while inflight:
             oldest = inflight[0]
             event = oldest.event
-            if event is not None and event.query():  # no lock held: the callers never wait on one
+            # No lock held: the callers never wait on a query.
+            if event is not None and (oldest.n <= done_upto.get(oldest.stream, 0) or event.query()):
                 inflight.popleft()
                 self._taken += 1
                 oldest.held = ()  # the stream is done with them: the allocator may have them back

@@ -215,6 +215,36 @@ def test_the_watchdog_takes_completed_records_in_order_and_reads_the_oldest_dead
     watch.stop()
 
 
+def test_a_look_asks_each_stream_its_newest_event_and_takes_the_older_ones_off_unasked():
+    watch = Watchdog(60.0, lambda watched, error: None, lambda: None)
+    on_a = [watch.start(seq, "all_reduce", stream="a") for seq in (1, 2, 3)]
+    on_b = watch.start(4, "all_reduce", stream="b")
+    unnamed = watch.start(5, "all_reduce")
+    for record in on_a:
+        record.event = _Event(done=True)
+    on_b.event, unnamed.event = _Event(), _Event(done=True)
+    assert watch._look() == (None, None)
+    # stream a: its newest asked, once; the two before it taken off without a query of their own
+    assert [r.event.queries for r in on_a] == [0, 0, 1] and all(r.held == () for r in on_a)
+    # stream b's newest is not done: it stays, and what follows it waits behind it, unasked
+    assert list(watch._inflight) == [on_b, unnamed] and on_b.event.queries == 2 and unnamed.event.queries == 0
+    # a record whose stream's newest is still in flight is asked itself
+    later_a = watch.start(6, "all_reduce", stream="a")
+    on_b.event.done = True
+    assert watch._look() == (None, None)
+    assert list(watch._inflight) == [later_a] and unnamed.event.queries == 1
+    # a stream's newest without its event yet (its NCCL call has not returned) proves nothing
+    before = watch.start(7, "all_reduce", stream="a")
+    later_a.event, before.event = _Event(), _Event()
+    newest = watch.start(8, "all_reduce", stream="a")
+    assert watch._look() == (None, None) and list(watch._inflight) == [later_a, before, newest]
+    later_a.event.done = before.event.done = True
+    assert watch._look() == (None, None) and list(watch._inflight) == [newest]
+    # asked themselves: the oldest at both looks, the next once the oldest was done
+    assert (later_a.event.queries, before.event.queries, newest.event) == (2, 1, None)
+    watch.stop()
+
+
 def test_collectives_captured_in_a_cuda_graph_replay_with_the_right_results(monkeypatch):
     fake = install(monkeypatch)
 
