@@ -459,6 +459,10 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
         current.stream = stream
 
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    # On a CUDA build of torch, smddp would ask torch's C calls for the current stream
+    # (_compat.CudaStreams) and get real streams: hidden here, it asks the functions above.
+    for name in ("_cuda_getCurrentStream", "_cuda_setStream", "_cuda_isCurrentStreamCapturing"):
+        monkeypatch.setattr(torch._C, name, None, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current_stream().graph is not None)
 
     def device_future(device):

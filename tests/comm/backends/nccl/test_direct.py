@@ -81,6 +81,28 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
         assert all(h == () for h in held) and inflight == []
 
 
+def test_the_stand_in_runs_on_a_cuda_build_of_torch_too(monkeypatch):
+    # A CUDA build has torch's C calls for the current stream, which smddp prefers: the stand-in
+    # must hide them (the device machine runs nccl_host_cost.py on one).
+    def real_cuda(*args):
+        raise AssertionError("torch's CUDA was called under the stand-in")
+
+    for name in ("_cuda_getCurrentStream", "_cuda_setStream", "_cuda_isCurrentStreamCapturing"):
+        monkeypatch.setattr(torch._C, name, real_cuda, raising=False)
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        t, u = seeded(r, (5,), torch.float32, 1), seeded(r, (5,), torch.float32, 2)
+        engine.all_reduce(t, Op.SUM)
+        engine.all_reduce(u, Op.MAX, async_op=True).wait()
+        return t, u
+
+    for r, (t, u) in run_ranks(fake, 2, body).items():
+        assert torch.equal(t, expected_reduce(2, (5,), torch.float32, Op.SUM, 1)), r
+        assert torch.equal(u, expected_reduce(2, (5,), torch.float32, Op.MAX, 2)), r
+
+
 def test_an_asynchronous_work_has_a_cuda_aware_future_complete_at_enqueue(monkeypatch):
     fake = install(monkeypatch, deferred=True)
 
