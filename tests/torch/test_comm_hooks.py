@@ -1,8 +1,9 @@
-"""Futures whose callbacks start collectives (torch's PowerSGD hook) train as on gloo, under real launchers.
+"""torch's algorithms on DDP (communication hooks, ZeRO) train as on gloo, under real launchers.
 
-``scripts/hook_checks.py`` trains with torch's PowerSGD hook ten times in a row on smddp's group
-and on a gloo group of the same job, then with a bucket per layer, and checks ``then`` callbacks
-that start synchronous and asynchronous all-reduces. Before smddp ran futures' callbacks off its
+``tests/ranks/hook_checks.py`` trains with torch's PowerSGD hook ten times in a row on smddp's
+group and on a gloo group of the same job, then with a bucket per layer, and checks ``then``
+callbacks that start synchronous and asynchronous all-reduces; then torch's fp16 compression
+hook, post-local SGD with a periodic model averager over subgroups, and ZeroRedundancyOptimizer. Before smddp ran futures' callbacks off its
 progress thread (:mod:`smddp.comm.engine.completer`), PowerSGD hung until the collective deadline
 (a callback waited, on the progress thread, for an all-reduce only that thread would complete).
 With a bucket per layer gloo itself hangs or mixes collectives up (the callbacks race backward's
@@ -40,7 +41,7 @@ def digests(result, size: int) -> dict:
     found = defaultdict(dict)
     for rank, group, check, value in _DIGEST.findall(output):
         found[(group, check)][int(rank)] = value
-    checks = {f"powersgd/{n}" for n in range(TRAININGS)} | {"powersgd-buckets"}
+    checks = {f"powersgd/{n}" for n in range(TRAININGS)} | {"powersgd-buckets", "fp16", "localsgd", "zero"}
     assert set(found) == {(group, check) for group in ("smddp", "gloo") for check in checks}, result.output
     assert all(len(ranks) == size for ranks in found.values()), result.output
     return found
