@@ -3,9 +3,10 @@
 ``tests/ranks/hook_checks.py`` trains with torch's PowerSGD hook ten times in a row on smddp's
 group and on a gloo group of the same job, then with a bucket per layer, and checks ``then``
 callbacks that start synchronous and asynchronous all-reduces; then torch's fp16 compression
-hook, post-local SGD with a periodic model averager over subgroups, and ZeroRedundancyOptimizer. Before smddp ran futures' callbacks off its
-progress thread (:mod:`smddp.comm.engine.completer`), PowerSGD hung until the collective deadline
-(a callback waited, on the progress thread, for an all-reduce only that thread would complete).
+hook, post-local SGD with a periodic model averager over subgroups, and ZeroRedundancyOptimizer.
+Before smddp ran futures' callbacks off its progress thread (:mod:`smddp.comm.engine.completer`),
+PowerSGD hung until the collective deadline (a callback waited, on the progress thread, for an
+all-reduce only that thread would complete).
 With a bucket per layer gloo itself hangs or mixes collectives up (the callbacks race backward's
 next all-reduce); smddp numbers a callback's collectives right after their parent's on every
 rank (:meth:`smddp.comm.engine.Engine.chain`), and equals gloo whose hook waits for its future.
