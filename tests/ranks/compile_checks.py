@@ -5,8 +5,10 @@ class) or ``gloo`` (the reference: torch's DDP with the arguments smddp's class 
 variant trains a fresh, seeded model ``STEPS`` steps as ``torch.compile(DDP(model))`` on per-rank
 seeded data, in buckets small enough that ``optimize_ddp`` splits the graph at them: either DDP
 class, ``torch._dynamo.config.optimize_ddp`` on and off, dynamo backends ``eager``, ``aot_eager``
-and, where a C++ compiler is on PATH, ``inductor``; and, with ``eager``, a compiled training step
-(``backward()`` inside it). Every rank prints ``COMPILE <rank> <variant> <compiled forwards>
+and, where a C++ compiler is on PATH, ``inductor``; with ``eager``, a compiled training step
+(``backward()`` inside it); and torch's DDP under compiled autograd (``backward()`` compiled too,
+``optimize_ddp="python_reducer"``: DDP's reducer in Python, its all-reduces torch's functional
+collectives on the group). Every rank prints ``COMPILE <rank> <variant> <compiled forwards>
 <smddp's hook> <digest before> <digest after>`` (parameter digests); the test compares them with a
 gloo job's, bit for bit. The bucket rebuild of the second step is where dynamo used to trace a
 Python group's methods (and fail): STEPS is above 2.
@@ -62,11 +64,13 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
     return TorchDDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True)  # as smddp's class
 
 
-def train(kind: str, optimize_ddp: bool, dynamo_backend: str, whole_step: bool = False) -> str:
-    """Train a fresh model; ``whole_step``: compile the step (forward and ``backward()``), not the model."""
+def train(kind: str, optimize_ddp, dynamo_backend: str, whole_step: bool = False) -> str:
+    """Train a fresh model; ``whole_step``: compile the step (forward and ``backward()``), not the model;
+    ``optimize_ddp="python_reducer"``: ``backward()`` under compiled autograd."""
     torch.compiler.reset()  # every variant compiles afresh, far from dynamo's recompile limit
     torch.manual_seed(0)
-    model = wrap(kind, Net())
+    with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):  # DDP reads "python_reducer" as it is made
+        model = wrap(kind, Net())
     before = digest(model.module)
     compiled = torch.compile(model, backend=dynamo_backend)
 
@@ -85,6 +89,10 @@ def train(kind: str, optimize_ddp: bool, dynamo_backend: str, whole_step: bool =
             optimizer.zero_grad()
             if whole_step:
                 step(x, y)
+            elif optimize_ddp == "python_reducer":
+                loss = nn.functional.mse_loss(compiled(x), y)
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend=dynamo_backend)):
+                    loss.backward()
             else:
                 nn.functional.mse_loss(compiled(x), y).backward()
             optimizer.step()
@@ -101,4 +109,5 @@ for kind in ("torch", "smddp"):
             variant = f"{kind}-ddp/optimize_ddp={optimize_ddp}/{dynamo_backend}"
             say(f"COMPILE {RANK} {variant} {train(kind, optimize_ddp, dynamo_backend)}")
     say(f"COMPILE {RANK} {kind}-ddp/whole-step/eager {train(kind, True, 'eager', whole_step=True)}")
+say(f"COMPILE {RANK} torch-ddp/compiled-autograd/aot_eager {train('torch', 'python_reducer', 'aot_eager')}")
 tdist.destroy_process_group()

@@ -337,6 +337,12 @@ def training(directory: Path) -> None:
                    full_state(model), want)
     check("FSDP2's all-gathers and reduce-scatters take smddp's communicator",
           size == 1 or engine.seq > seq + 2 * STEPS, f"seq {seq} -> {engine.seq}")
+    # torch.compile over fully_shard (torchtitan's way): dynamo traces FSDP2's hooks and the
+    # collectives they start; smddp's group methods run unseen, as C++ would
+    torch.compiler.reset()
+    compiled = sharded(copy.deepcopy(initial), per_layer=True)
+    train(torch.compile(compiled, backend="aot_eager"), data, shard=True)
+    same_state("torch.compile over fully_shard equals whole-batch training", full_state(compiled), want)
 
     # sharded checkpoint: torch.distributed.checkpoint, then load into differently initialised shards
     path = directory / f"sharded-{size}"

@@ -24,7 +24,7 @@ VARIANTS = {
     f"{kind}-ddp/optimize_ddp={optimize}/{backend}"
     for kind in ("torch", "smddp") for optimize in (True, False)
     for backend in ("eager", "aot_eager") + (("inductor",) if shutil.which("g++") else ())
-} | {"torch-ddp/whole-step/eager", "smddp-ddp/whole-step/eager"}
+} | {"torch-ddp/whole-step/eager", "smddp-ddp/whole-step/eager", "torch-ddp/compiled-autograd/aot_eager"}
 _LINE = re.compile(r"^COMPILE (\d+) (\S+) (\d+) (\S+) ([0-9a-f]{16}) ([0-9a-f]{16})$", re.M)
 
 pytestmark = pytest.mark.slow

@@ -41,6 +41,7 @@ def test_fsdp_and_collectives_under_mpirun(np, tmp_path):
     assert_all_ranks_passed(result, np, at_least=60)
     for name in ("fully_shard per layer and root equals whole-batch training",
                  "fully_shard root only equals whole-batch training",
+                 "torch.compile over fully_shard equals whole-batch training",
                  "sharded checkpoint saves and loads (torch.distributed.checkpoint)",
                  "full checkpoint saves on rank 0 and loads by broadcast",
                  "recv from any source", "functional all_gather_tensor"):
