@@ -465,6 +465,55 @@ class Worker:
         self.passed("ddp/bf16")
         self.finish()
 
+    # ------------------------------------------------------------------ torch's hooks and SyncBatchNorm
+    def run_hooks(self) -> None:
+        """torch's DDP with its fp16 and bf16 compression hooks (a ``then`` callback on the
+        all-reduce's CUDA-aware future decompresses) and a model with ``SyncBatchNorm`` (its
+        statistics all-gathered where the world has several ranks): trained, checked finite, kept
+        for the comparison with torch's NCCL group. On a CPU backend only the fp16 hook (torch
+        refuses the bf16 one and SyncBatchNorm without a GPU)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.start()
+        cuda = self.device.type == "cuda"
+        device_ids = [self.device.index] if cuda else None
+        hooks = {"fp16": default_hooks.fp16_compress_hook}
+        if cuda:
+            hooks["bf16"] = default_hooks.bf16_compress_hook
+        for name, hook in hooks.items():
+            model = self._model(seed=3).to(self.device)
+            ddp = DDP(model, device_ids=device_ids)
+            ddp.register_comm_hook(None, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(4):
+                x, y = (t.to(self.device) for t in self._batch(self.rank, step))
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            assert all(torch.isfinite(p).all() for p in model.parameters()), name
+            for pname, p in model.named_parameters():
+                self.keep(f"{name}/{pname}", p)
+            self.passed(f"hooks/{name}")
+        if cuda:
+            torch.manual_seed(4)
+            net = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                      torch.nn.Linear(16, 8))
+            net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net).to(self.device)
+            ddp = DDP(net, device_ids=device_ids)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(4):
+                x, y = (t.to(self.device) for t in self._batch(self.rank, step))
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            state = net.state_dict()
+            assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+            for key, value in state.items():
+                self.keep(f"syncbn/{key}", value)
+            self.passed("hooks/syncbn")
+        self.finish()
+
     # ------------------------------------------------------------------ the host never waits
     def run_host_free(self) -> None:
         """An asynchronous all-reduce and a DDP backward queued behind a 1 s kernel: the host gets

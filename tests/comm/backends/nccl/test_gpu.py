@@ -150,6 +150,7 @@ def test_every_gpu_of_the_machine(tmp_path):
                      f"rank {r}: nccl vs torch-nccl")
     _run("ddp", "nccl", tmp_path, "mpirun", np=_gpus())
     _run("streams", "nccl", tmp_path, "mpirun", np=_gpus())
+    _run("hooks", "nccl", tmp_path, "mpirun", np=_gpus())  # SyncBatchNorm's statistics cross devices here
 
 
 def test_nccl_deadline_does_not_fire_on_operations_that_complete(tmp_path):
@@ -226,3 +227,11 @@ def test_nccl_explicit_request_without_cupy_names_the_extra(tmp_path):
     assert "CHECK 0 no_cupy/fallback" in result.stdout
 
 
+def test_torchs_compression_hooks_and_syncbatchnorm_as_on_torchs_nccl_group(tmp_path):
+    """DDP with torch's fp16 and bf16 compression hooks, and SyncBatchNorm, train on smddp's
+    ``nccl`` to what torch's NCCL group trains them to."""
+    _cupy_or_skip()
+    for backend in ("nccl", "torch-nccl"):
+        result = _run("hooks", backend, tmp_path)
+        assert all(f"CHECK 0 hooks/{name}" in result.stdout for name in ("fp16", "bf16", "syncbn")), result.output
+    _assert_same(_load(tmp_path, "nccl", "hooks"), _load(tmp_path, "torch-nccl", "hooks"), "nccl vs torch-nccl")
