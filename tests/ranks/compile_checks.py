@@ -1,7 +1,9 @@
-"""``torch.compile`` over DDP on every rank, variant by variant: ``compile_checks.py BACKEND``.
+"""``torch.compile`` over DDP on every rank, variant by variant: ``compile_checks.py BACKEND [KIND ...]``.
 
-BACKEND is the ``torch.distributed`` backend to run on: ``smddp`` (torch's DDP and smddp's own
-class) or ``gloo`` (the reference: torch's DDP with the arguments smddp's class passes). Each
+BACKEND is the ``torch.distributed`` backend to run on: ``smddp`` or ``gloo`` (the reference:
+torch's DDP, with the arguments smddp's class passes for smddp's variants). KIND picks the DDP
+classes: ``torch`` (torch's DDP, and compiled autograd over it) and ``smddp`` (smddp's own
+class); both by default. Each
 variant trains a fresh, seeded model ``STEPS`` steps as ``torch.compile(DDP(model))`` on per-rank
 seeded data, in buckets small enough that ``optimize_ddp`` splits the graph at them: either DDP
 class, ``torch._dynamo.config.optimize_ddp`` on and off, dynamo backends ``eager``, ``aot_eager``
@@ -103,11 +105,13 @@ def train(kind: str, optimize_ddp, dynamo_backend: str, whole_step: bool = False
 tdist.init_process_group(sys.argv[1])
 RANK = tdist.get_rank()
 say(f"BACKEND {RANK} {tdist.get_backend()} {type(tdist.group.WORLD).__name__}")
-for kind in ("torch", "smddp"):
+KINDS = sys.argv[2:] or ["torch", "smddp"]
+for kind in KINDS:
     for optimize_ddp in (True, False):
         for dynamo_backend in DYNAMO_BACKENDS:
             variant = f"{kind}-ddp/optimize_ddp={optimize_ddp}/{dynamo_backend}"
             say(f"COMPILE {RANK} {variant} {train(kind, optimize_ddp, dynamo_backend)}")
     say(f"COMPILE {RANK} {kind}-ddp/whole-step/eager {train(kind, True, 'eager', whole_step=True)}")
-say(f"COMPILE {RANK} torch-ddp/compiled-autograd/aot_eager {train('torch', 'python_reducer', 'aot_eager')}")
+if "torch" in KINDS:
+    say(f"COMPILE {RANK} torch-ddp/compiled-autograd/eager {train('torch', 'python_reducer', 'eager')}")
 tdist.destroy_process_group()
