@@ -9,6 +9,10 @@ root::
     python tools/gpu_checks.py --out "$OUT" --base base     # also another tree's benchmarks, alternated
     python tools/gpu_checks.py --steps machine,host-cost    # some steps only (they run in this order)
 
+A base tree for ``--base`` (main, against a change) is a plain copy, not a git worktree (a nested
+repository travels to the device without its files): ``mkdir .base && git archive main | tar -x -C
+.base``, ``.base`` added to ``.git/info/exclude`` and named in the device call's ``carry``.
+
 Steps:
 
 - ``machine``: the GPU, driver and versions (``nvidia-smi``, torch, CuPy, NCCL), to name the
