@@ -318,10 +318,12 @@ class Communicator(abc.ABC):
     #: The group's agreed layout (:class:`smddp.comm.planes.layout.Layout`; None for a group of one).
     layout: Optional[Any] = None
 
-    #: A stream-ordered communicator's direct path for all-reduces, once it has one: an object whose
-    #: ``all_reduce(tensor, op, seq, name, async_op)`` enqueues the collective and returns a ``Work``
-    #: (asynchronous) or None, with nothing for the engine to track, or its ``REFUSED`` having sent
-    #: nothing (:mod:`smddp.comm.backends.nccl.direct`). None: every call takes the general path.
+    #: A stream-ordered communicator's direct path, once it has one: an object whose ``start``
+    #: enqueues an all-reduce, a broadcast, an all-gather or a reduce-scatter (its ``ALL_REDUCE``,
+    #: ``BROADCAST``, ``ALL_GATHER``, ``REDUCE_SCATTER``) and returns a ``Work`` (asynchronous) or
+    #: None, with nothing for the engine to track, or its ``REFUSED`` (``NotImplemented``) having
+    #: sent nothing (:class:`smddp.comm.backends.nccl.direct.DirectPath`; the engine's
+    #: :meth:`~smddp.comm.engine.Engine.start_direct`). None: every call takes the general path.
     direct: Optional[Any] = None
 
     #: Data moves only while a thread calls into the library (MPI, shared memory), not on

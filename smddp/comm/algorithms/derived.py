@@ -83,6 +83,12 @@ def reduce_scatter_tensor(engine: Engine, output: torch.Tensor, input: torch.Ten
             f"reduce_scatter_tensor: input has {input.numel()} elements; it needs {engine.size} x {n} "
             f"(world size x output elements)"
         )
+    direct = engine.direct_path(comm)
+    if direct is not None:
+        work = engine.start_direct(direct, direct.REDUCE_SCATTER, output, input, op, async_op, result,
+                                   "reduce_scatter_tensor")
+        if work is not direct.REFUSED:
+            return work
     src = flat(input)
     inputs, result = (input,), ((output,) if result is None else result)
     if comm.native_reduce_scatter:

@@ -312,6 +312,47 @@ class Engine(Health, Progress):
                 handle._finished = True
                 self._track(handle)
 
+    def direct_path(self, comm: Communicator):
+        """``comm``'s direct path (:attr:`Communicator.direct`) if a collective may take it now, else None.
+
+        A stream-ordered communicator's direct path enqueues a collective with nothing for the
+        engine to own (:mod:`smddp.comm.backends.nccl.direct`): taken only with nothing of the
+        general path in flight or waiting (issue order holds), not under ``SMDDP_DEBUG`` (its
+        comparison runs first) nor while torch's profiler records (its events come from
+        :meth:`run`). torch's NCCL group's rules apply from there: the collective is done for the
+        host once it is enqueued.
+        """
+        direct = comm.direct
+        if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
+            return direct
+        return None
+
+    def start_direct(self, direct, kind: str, output: torch.Tensor, input: Optional[torch.Tensor], arg,
+                     async_op: bool, result: Optional[Sequence], op_name: str):
+        """Number and start a collective on a direct path (:meth:`direct_path`): ``direct.start(kind,
+        output, input, arg, async_op, result, seq, op_name)``.
+
+        Returns what that returns: a ``Work``, None (synchronous), or the path's ``REFUSED``,
+        having sent nothing and taken no number (the general path then numbers it).
+        """
+        self._start_lock.acquire()
+        try:
+            if self._closed or self._broken is not None:
+                self._check_usable()
+            # Numbered before the call: a rank blocked inside NCCL's (its first with a peer)
+            # tells the others it is in this collective.
+            last_op, self._last_start = self._last_op, time.monotonic()
+            self.seq = seq = self.seq + 1
+            self._last_op = op_name
+            work = direct.start(kind, output, input, arg, async_op, result, seq, op_name)
+            if work is NotImplemented:  # the path's REFUSED: nothing was sent
+                self.seq, self._last_op = seq - 1, last_op
+        finally:
+            self._start_lock.release()
+        if work is not NotImplemented:
+            self._done_seq = seq
+        return work
+
     def _wait_inline(self, seq: int, op_name: str, pending: Pending) -> None:
         """Wait for a synchronous collective, nothing else in flight, in the caller's thread.
 
@@ -354,27 +395,10 @@ class Engine(Health, Progress):
             comm = self.checks.comm_for(tensor)
         direct = comm.direct
         if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
-            # A stream-ordered communicator's direct path: numbered and started here, then
-            # nothing to own (smddp.comm.backends.nccl.direct). Taken with nothing of the general
-            # path in flight, so issue order holds; torch's NCCL group's rules apply from there:
-            # the operation is done for the host once it is enqueued.
+            # self.direct_path(comm), inline: the host's path of every all-reduce on a GPU
             name = "all_reduce" if label is None else labelled("all_reduce", label)
-            self._start_lock.acquire()
-            try:
-                if self._closed or self._broken is not None:
-                    self._check_usable()
-                # Numbered before the call: a rank blocked inside NCCL's (its first with a peer)
-                # tells the others it is in this collective.
-                last_op, self._last_start = self._last_op, time.monotonic()
-                self.seq = seq = self.seq + 1
-                self._last_op = name
-                work = direct.all_reduce(tensor, op, seq, name, async_op)
-                if work is direct.REFUSED:  # nothing was sent: the general path numbers it
-                    self.seq, self._last_op = seq - 1, last_op
-            finally:
-                self._start_lock.release()
+            work = self.start_direct(direct, direct.ALL_REDUCE, tensor, None, op, async_op, result, name)
             if work is not direct.REFUSED:
-                self._done_seq = seq
                 return work
         check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
         name = "all_reduce" if label is None else labelled("all_reduce", label)
@@ -395,6 +419,11 @@ class Engine(Health, Progress):
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         comm = self.checks.comm_for(tensor)
         self.checks.rank_arg(src, "src")
+        direct = self.direct_path(comm)
+        if direct is not None:
+            work = self.start_direct(direct, direct.BROADCAST, tensor, None, src, async_op, None, "broadcast")
+            if work is not direct.REFUSED:
+                return work
         buf, after = self.checks.buffer(tensor, "broadcast")
 
         def start(seq: int) -> Pending:
@@ -442,6 +471,12 @@ class Engine(Health, Progress):
                 f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
                 f"{self.size} x {input.numel()}"
             )
+        direct = self.direct_path(comm)
+        if direct is not None:
+            work = self.start_direct(direct, direct.ALL_GATHER, output, input, None, async_op, result,
+                                     "all_gather_into_tensor")
+            if work is not direct.REFUSED:
+                return work
         buf, after = self.checks.buffer(output, "all_gather_into_tensor", "output")
         out, src = buf.flatten(), flat(input)  # buf is contiguous: flatten() is a view of it
 

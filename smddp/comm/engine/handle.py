@@ -215,9 +215,10 @@ class Handle(_WorkBase):
 
     def exception(self) -> Optional[BaseException]:
         """The error the operation ended with, if any (the first of :attr:`covers` and its own)."""
-        for handle in self.covers:
-            if handle._error is not None:
-                return handle._error
+        for work in self.covers:  # a Handle, or a direct path's Work (comm.base.Communicator.direct)
+            error = work.exception()
+            if error is not None:
+                return error
         return self._error
 
     def result(self) -> List[torch.Tensor]:

@@ -1,6 +1,8 @@
-"""The direct path of an NCCL all-reduce: enqueued on a stream, nothing for the engine to track.
+"""The direct path of NCCL collectives: enqueued on a stream, nothing for the engine to track.
 
-What torch's NCCL group does with an all-reduce, at the host cost of a few Python calls:
+What torch's NCCL group does with an all-reduce, a broadcast, an all-gather into one tensor and a
+reduce-scatter of one tensor (DDP's, FSDP2's and tensor parallelism's collectives), at the host
+cost of a few Python calls:
 
 - A synchronous call (torch >= 2.8 passes ``asyncOp=False``; smddp's v1 API) runs NCCL on the
   caller's current stream and hands back nothing: no stream waits on another, no Pending, no
@@ -9,7 +11,7 @@ What torch's NCCL group does with an all-reduce, at the host cost of a few Pytho
   wait for the caller's, and hands back a :class:`StreamWork` whose future is CUDA-aware and
   complete as the collective is enqueued (its event recorded on the group's stream): DDP's
   reducer, ``wait()`` and ``then`` callbacks make streams wait on it, and the host never does.
-  The tensor is held until the stream is done with it (the watchdog's record).
+  The tensors are held until the stream is done with them (the watchdog's record).
 - Every operation is watched against its deadline from before its NCCL call
   (:mod:`~smddp.comm.backends.nccl.watchdog`); one enqueued during a CUDA graph capture is not
   (its event would not be a real one) and runs on the capturing stream, so that replaying the
@@ -17,10 +19,10 @@ What torch's NCCL group does with an all-reduce, at the host cost of a few Pytho
 
 :class:`DirectPath` looks up what it needs once, when the group's communicator is made: the
 communicator, the device and its index, the codes of the dtypes and reductions NCCL has, the
-group's stream and its key, the watchdog. The engine takes it for an all-reduce whenever it can
-(:meth:`DirectPath.all_reduce`: the tensor on the device, contiguous, a dtype and reduction NCCL has
-natively, and no operation of the general path in flight, no ``SMDDP_DEBUG``, no profiler);
-everything else takes the general path (:mod:`smddp.comm.backends.nccl`).
+group's stream and its key, the watchdog. The engine takes it whenever it can (the tensors on the
+device, contiguous, a dtype and reduction NCCL has natively, and no operation of the general path
+in flight, no ``SMDDP_DEBUG``, no profiler); everything else takes the general path
+(:mod:`smddp.comm.backends.nccl`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from typing import Optional
 import torch
 
 from smddp import _compat
-from smddp.comm.base import Op
 from smddp.errors import WaitTimeout
 
 _Work = torch.distributed.Work
+_ALL_REDUCE, _BROADCAST, _ALL_GATHER, _REDUCE_SCATTER = "allReduce", "broadcast", "allGather", "reduceScatter"
 
 
 def _seconds(timeout) -> Optional[float]:
@@ -62,13 +64,16 @@ class StreamWork(_Work):
         future: its CUDA-aware future, if made already (a captured collective's).
     """
 
-    __slots__ = ("_path", "_event", "_result", "_name", "_seq", "_future")
+    __slots__ = ("_path", "_event", "_result", "_name", "_seq", "_future", "covers")
 
     def __init__(self, path: DirectPath, event, result: list, name: str, seq: int,
                  future: Optional[torch.futures.Future] = None):
         _Work.__init__(self)
         self._path, self._event, self._result, self._name, self._seq = path, event, result, name, seq
         self._future = future
+        #: Collectives issued just before this one that it stands for (a coalesced call,
+        #: :func:`smddp.comm.algorithms.derived.each`): their errors are its own.
+        self.covers = ()
 
     def wait(self, timeout=None) -> bool:
         """Make the calling thread's current stream wait for the collective; the host does not wait.
@@ -82,8 +87,9 @@ class StreamWork(_Work):
                 reported an error), in a mode where failures raise (``SMDDP_NCCL_ASYNC_ERROR_HANDLING``).
         """
         owner = self._path.owner
-        if owner._error is not None:
-            raise owner._error
+        error = self.exception() if self.covers else owner._error
+        if error is not None:
+            raise error
         event = self._event
         if event is None:  # captured on the capturing stream: ordered already
             return True
@@ -119,7 +125,11 @@ class StreamWork(_Work):
         return self.is_completed() and self._path.owner._error is None
 
     def exception(self) -> Optional[BaseException]:
-        """The communicator's failure, if it has one."""
+        """The communicator's failure, if it has one (first, that of a collective it :attr:`covers`)."""
+        for work in self.covers:
+            error = work.exception()
+            if error is not None:
+                return error
         return self._path.owner._error
 
     def get_future(self) -> torch.futures.Future:
@@ -141,7 +151,7 @@ class StreamWork(_Work):
 
 
 class DirectPath:
-    """The all-reduces of one group's NCCL communicator that need nothing from the engine.
+    """The collectives of one group's NCCL communicator that need nothing from the engine.
 
     Args:
         owner: the group's NCCL communicator (:class:`~smddp.comm.backends.nccl.NCCLCommunicator`).
@@ -167,51 +177,83 @@ class DirectPath:
                 self._ready = torch.cuda.Event()  # the group's stream waits for the caller's on it
         self._future = _compat.device_future
 
-    #: What :meth:`all_reduce` returns when it does not take a call (nothing was sent).
+    #: What a collective returns when the path does not take the call (nothing was sent).
     REFUSED = NotImplemented
 
-    def all_reduce(self, tensor: torch.Tensor, op: Op, seq: int, name: str, async_op: bool):
-        """Enqueue NCCL's all-reduce of ``tensor`` in place (see the module docstring), if the path takes it.
+    #: The collectives the path takes, by the name of CuPy's NCCL call (:meth:`start`'s ``kind``).
+    ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER = _ALL_REDUCE, _BROADCAST, _ALL_GATHER, _REDUCE_SCATTER
 
-        It takes a contiguous tensor on its device, of a dtype NCCL has and a reduction NCCL has
-        for it; the caller numbers it (``seq``) and holds the engine's start lock.
+    def start(self, kind: str, output: torch.Tensor, input: Optional[torch.Tensor], arg, async_op: bool,
+              result: Optional[list], seq: int, name: str):
+        """Enqueue one NCCL collective (see the module docstring for the streams), if the path takes it.
+
+        ``kind`` and its arguments:
+
+        - :attr:`ALL_REDUCE`: ``output`` reduced in place by the reduction ``arg`` (an :class:`Op`);
+        - :attr:`BROADCAST`: rank ``arg``'s ``output`` copied into ``output``;
+        - :attr:`ALL_GATHER`: every rank's ``input`` gathered into ``output`` (``size * input.numel()``);
+        - :attr:`REDUCE_SCATTER`: ``input`` (``size * output.numel()``) reduced by ``arg``, this
+          rank's slice into ``output``.
+
+        The path takes contiguous tensors on its device, of a dtype (and a reduction) NCCL has
+        natively. The caller has checked the arguments (the engine's checks: sizes, one dtype and
+        one device), numbers the collective (``seq``) and holds the engine's start lock. One
+        method for the four, not one each: every Python call is on the host's path of every
+        collective (``benchmarks/nccl_host_cost.py``).
 
         Returns:
-            :attr:`REFUSED` (nothing sent: the general path's), a :class:`StreamWork` if
-            ``async_op``, else None.
+            :attr:`REFUSED` (nothing sent: the general path's), a :class:`StreamWork` if ``async_op``
+            (``result()`` gives ``result``, by default ``[output]``), else None.
 
         Raises:
             CollectiveError, CollectiveTimeout: the communicator failed, or NCCL refused the call.
         """
-        dtype, code = self._dtypes.get(tensor.dtype), self._ops.get(op)
-        if dtype is None or code is None or tensor.get_device() != self._index or not tensor.is_contiguous():
+        dtype = self._dtypes.get(output.dtype)
+        if dtype is None or output.get_device() != self._index or not output.is_contiguous():
             return self.REFUSED
-        owner, lane, streams = self.owner, self._lane, self.streams
+        if kind is _ALL_REDUCE or kind is _REDUCE_SCATTER:
+            code = self._ops.get(arg)
+            if code is None:
+                return self.REFUSED
+        if kind is _ALL_REDUCE or kind is _BROADCAST:
+            count, held = output.numel(), (output,)
+        else:  # an input and an output, of one dtype and device (the engine checked)
+            if not input.is_contiguous():
+                return self.REFUSED
+            count, held = (input.numel() if kind is _ALL_GATHER else output.numel()), (output, input)
+        lane = self._lane
         lane.busy = True  # before reading lane.comm: see Lane.busy
         try:
             comm = lane.comm
             if comm is None:
-                raise owner._refusal()
+                raise self.owner._refusal()
+            streams = self.streams
             key, current = streams.current()
             capturing = streams.capturing()
             side = self._side if async_op and not capturing else None
             watched = None if capturing else (
                 self._watch.start(seq, name, (), key) if side is None else
-                self._watch.start(seq, name, (tensor,), self._side_key))
+                self._watch.start(seq, name, held, self._side_key))
             try:
                 comm.check_async_error()  # NCCL's asynchronous error (a peer died) fails this call
-                count = tensor.numel()
                 if side is None:
-                    if count:
-                        ptr = tensor.data_ptr()
-                        comm.allReduce(ptr, ptr, count, dtype, code, current.cuda_stream)
+                    stream = current.cuda_stream
                 else:
                     ready = self._ready
                     ready.record(current)
                     side.wait_event(ready)
-                    if count:
-                        ptr = tensor.data_ptr()
-                        comm.allReduce(ptr, ptr, count, dtype, code, self._side_raw)
+                    stream = self._side_raw
+                if count:  # NCCL's calls, spelled out: no argument tuple, no lookup by name
+                    if kind is _ALL_REDUCE:
+                        ptr = output.data_ptr()
+                        comm.allReduce(ptr, ptr, count, dtype, code, stream)
+                    elif kind is _BROADCAST:
+                        ptr = output.data_ptr()
+                        comm.broadcast(ptr, ptr, count, dtype, arg, stream)
+                    elif kind is _ALL_GATHER:
+                        comm.allGather(input.data_ptr(), output.data_ptr(), count, dtype, stream)
+                    else:
+                        comm.reduceScatter(input.data_ptr(), output.data_ptr(), count, dtype, code, stream)
                 if watched is not None:
                     if async_op:
                         event = torch.cuda.Event()  # the Work's own: never pooled
@@ -221,12 +263,13 @@ class DirectPath:
                     event.record(current if side is None else side)
                     watched.event = event
             except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
-                raise owner._give_up(seq, name, exc) from exc
+                raise self.owner._give_up(seq, name, exc) from exc
         finally:
             lane.busy = False
         if not async_op:
             return None
-        result = [tensor]
+        if result is None:
+            result = [output]
         if watched is None:  # captured: complete the future on the capturing stream now
             future = self._future(self.device)
             future.set_result(result)

@@ -20,6 +20,7 @@ import torch
 from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
 from nccl_standin import HostStream, install
 
+from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import pending
 from smddp.comm.backends.nccl.direct import StreamWork
 from smddp.comm.backends.nccl.watchdog import Watchdog
@@ -79,6 +80,85 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
         # no handle, no Pending, nothing on the group's stream; the caller's stream ran them
         assert after[:3] == before[:3] and after[3] > before[3]
         assert all(h == () for h in held) and inflight == []
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_broadcast_all_gather_and_reduce_scatter_take_the_direct_path(monkeypatch, size):
+    """DDP's broadcasts, FSDP2's and tensor parallelism's all-gathers into a tensor and reduce-scatters:
+    synchronous ones on the caller's stream with nothing to track, asynchronous ones a StreamWork
+    with a CUDA-aware future, the results every rank's seeded inputs give."""
+    fake = install(monkeypatch, deferred=True)
+    handles = _count_new(monkeypatch, Handle)
+    pendings = _count_new(monkeypatch, pending.StreamOrdered)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        side, mine = nccl_comm._lane.side, torch.cuda.current_stream()
+        got, kinds = {}, {}
+        for async_op in (False, True):
+            before = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+            b = seeded(r, (5,), torch.float64, 11) if r == size - 1 else torch.zeros(5, dtype=torch.float64)
+            gathered = torch.zeros(size, 4, dtype=torch.bfloat16)
+            scattered = torch.zeros(3, dtype=torch.float32)
+            # inputs held until the stream ran (on a GPU the allocator orders reuse on the stream;
+            # the stand-in's host memory would go back to malloc at once)
+            mine_g, mine_s = seeded(r, (4,), torch.bfloat16, 12), seeded(r, (3 * size,), torch.float32, 13)
+            works = [engine.broadcast(b, size - 1, async_op),
+                     engine.all_gather_into_tensor(gathered, mine_g, async_op),
+                     derived.reduce_scatter_tensor(engine, scattered, mine_s, Op.MAX, async_op=async_op)]
+            after = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+            for work in works:
+                if work is not None:
+                    assert work.get_future().done()  # complete at enqueue, as torch's NCCL futures
+                    work.wait()
+            mine.synchronize()
+            got[async_op] = (b, gathered, scattered)
+            kinds[async_op] = ([type(w).__name__ for w in works], after[0] - before[0], after[1] - before[1],
+                               after[2] > before[2], after[3] > before[3])
+        return got, kinds, len(fake.futures)
+
+    results = run_ranks(fake, size, body)
+    want_b = seeded(size - 1, (5,), torch.float64, 11)
+    want_g = torch.stack([seeded(q, (4,), torch.bfloat16, 12) for q in range(size)])
+    full = expected_reduce(size, (3 * size,), torch.float32, Op.MAX, 13)
+    for r, (got, kinds, futures) in results.items():
+        for async_op in (False, True):
+            b, gathered, scattered = got[async_op]
+            assert torch.equal(b, want_b) and torch.equal(gathered, want_g), (r, async_op)
+            assert torch.equal(scattered, full[3 * r:3 * r + 3]), (r, async_op)
+        # synchronous: nothing returned, no handle or Pending, the caller's stream ran them, not the group's
+        assert kinds[False] == (["NoneType"] * 3, 0, 0, False, True), (r, kinds[False])
+        # asynchronous: a StreamWork each, on the group's stream, still no handle or Pending
+        assert kinds[True][:4] == (["StreamWork"] * 3, 0, 0, True), (r, kinds[True])
+        assert futures >= 3
+
+
+def test_coalesced_collectives_on_the_direct_path_and_beside_the_general_one(monkeypatch):
+    """torch's coalesced calls start one collective per tensor and hand back the last one's Work,
+    which stands for them all: direct ones, and a last one the direct path refuses (a bool tensor)."""
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        group = SmddpProcessGroup(engine, r, 2)
+        floats = [seeded(r, (4,), torch.float32, 20 + i) for i in range(3)]
+        work = group.allreduce_coalesced(floats, torch.distributed.AllreduceCoalescedOptions())
+        kinds = [type(work).__name__, [type(w).__name__ for w in work.covers]]
+        work.wait()
+        mixed = [seeded(r, (2,), torch.float32, 30), seeded(r, (3,), torch.int32, 31) > 0]
+        last = group.allreduce_coalesced(mixed, torch.distributed.AllreduceCoalescedOptions())
+        kinds += [type(last).__name__, [type(w).__name__ for w in last.covers]]
+        last.wait()
+        torch.cuda.current_stream().synchronize()
+        return floats, mixed, kinds, last.exception()
+
+    for r, (floats, mixed, kinds, error) in run_ranks(fake, 2, body).items():
+        for i, t in enumerate(floats):
+            assert torch.equal(t, expected_reduce(2, (4,), torch.float32, Op.SUM, 20 + i)), (r, i)
+        assert torch.equal(mixed[0], expected_reduce(2, (2,), torch.float32, Op.SUM, 30))
+        assert torch.equal(mixed[1], (seeded(0, (3,), torch.int32, 31) > 0) | (seeded(1, (3,), torch.int32, 31) > 0))
+        assert kinds == ["StreamWork", ["StreamWork", "StreamWork"], "Handle", ["StreamWork"]], kinds
+        assert error is None
 
 
 def test_the_stand_in_runs_on_a_cuda_build_of_torch_too(monkeypatch):
