@@ -66,12 +66,14 @@ def assert_as_gloo(found: dict, gloo: dict) -> None:
             assert (before, after) == gloo[variant][rank][2:], f"{variant} rank {rank}: not gloo's parameters"
 
 
-def test_compiled_torch_ddp_torchrun(gloo):
+def test_compiled_ddp_torchrun(gloo):
+    """torch's DDP, and compiled autograd over it, as torchrun users launch it."""
     result = torchrun(2, [SCRIPT, "smddp", "torch"], timeout=300)
     assert_as_gloo(reports(result, "smddp", "SmddpProcessGroup", ["torch"]), gloo)
 
 
 @pytest.mark.mpi
-def test_compiled_smddp_ddp_mpirun(gloo):
+def test_compiled_ddp_mpirun(gloo):
+    """smddp's DDP class, as SageMaker scripts run it under mpirun."""
     result = mpirun(2, [SCRIPT, "smddp", "smddp"], timeout=300)
     assert_as_gloo(reports(result, "smddp", "SmddpProcessGroup", ["smddp"]), gloo)
