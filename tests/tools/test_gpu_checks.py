@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -18,12 +19,13 @@ def checks(tmp_path, *args: str, timeout: float = 120):
 def test_the_steps_run_and_a_missing_gpu_is_reported_not_fatal(tmp_path):
     done = checks(tmp_path, "--steps", "host-cost,machine", "--budget", "100")
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    # in the tool's order, whatever order they were named in; nvidia-smi is missing here
+    # in the tool's order, whatever order they were named in
     assert [line.split(":")[0] for line in summary] == ["machine", "machine", "nccl_host_cost.py"], summary
-    assert summary[0].startswith("machine: nvidia-smi: exit 127") and " exit 0 " in summary[1], summary
-    assert " exit 0 " in summary[2], summary
-    assert done.returncode == 1 and done.stdout.splitlines() == summary
-    assert "gpu none" in (tmp_path / "machine.txt").read_text()
+    assert " exit 0 " in summary[1] and " exit 0 " in summary[2], summary
+    if shutil.which("nvidia-smi") is None:  # a machine without a GPU: reported, and the run goes on
+        assert summary[0].startswith("machine: nvidia-smi: exit 127"), summary
+        assert done.returncode == 1 and "gpu none" in (tmp_path / "machine.txt").read_text()
+    assert done.stdout.splitlines() == summary
     host = (tmp_path / "host-cost.log").read_text()
     assert all(f"HOSTCOST {name} " in host for name in ("sync", "async", "null", "args")), host
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host-cost.log", "machine.txt", "summary.txt"]
