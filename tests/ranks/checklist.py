@@ -7,6 +7,15 @@ every rank's output.
 
 from __future__ import annotations
 
+import sys
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write: with PYTHONUNBUFFERED, print() writes the newline separately and
+    the ranks' lines can interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 
 class Checklist:
     """The checks of one rank.
@@ -22,15 +31,15 @@ class Checklist:
         """Count and print one check: ``ok`` passes it; ``why`` says what was found otherwise."""
         if ok:
             self.passed += 1
-            print(f"CHECK {self.rank} {name}", flush=True)
+            say(f"CHECK {self.rank} {name}")
         else:
             self.failed += 1
-            print(f"FAILED {self.rank} {name} {why}", flush=True)
+            say(f"FAILED {self.rank} {name} {why}")
 
     def summary(self) -> int:
         """Print the closing line; return the exit status (1 if any check failed)."""
         if self.failed:
-            print(f"FAILURES {self.rank} {self.failed}", flush=True)
+            say(f"FAILURES {self.rank} {self.failed}")
             return 1
-        print(f"PASSED {self.rank} {self.passed}", flush=True)
+        say(f"PASSED {self.rank} {self.passed}")
         return 0

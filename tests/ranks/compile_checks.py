@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.distributed as tdist
+from checklist import say
 from param_digest import digest
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -49,11 +50,6 @@ class Net(nn.Module):
         if torch.compiler.is_compiling():
             COMPILED[0] += 1  # a side effect of the compiled code, replayed at every compiled call
         return self.layers(x)
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")  # one write per line: ranks' lines do not interleave
-    sys.stdout.flush()
 
 
 def wrap(kind: str, model: nn.Module) -> nn.Module:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import sys
 
 import torch
 import torch.distributed as tdist
+from checklist import say
 from torch import nn
 
 torch.set_num_threads(1)
@@ -29,13 +29,6 @@ from smddp.torch.parallel.distributed import _allreduce_hook as smddp_hook  # no
 RTOL, ATOL = 1e-4, 1e-6
 LOCAL_BATCH = 4
 STEPS = 5
-
-
-def say(line: str) -> None:
-    # One write per line: with PYTHONUNBUFFERED, print() writes the newline separately and
-    # the ranks' lines can interleave.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def ok(name: str) -> None:

@@ -38,7 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from checklist import Checklist
+from checklist import Checklist, say
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.distributed.algorithms.model_averaging import averagers
@@ -48,12 +48,6 @@ import smddp.torch.torch_smddp  # noqa: F401 - registers the "smddp" backend
 
 TRAININGS = 10
 STEPS = 4
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks' lines never interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def digest(module: nn.Module) -> str:

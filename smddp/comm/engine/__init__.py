@@ -345,11 +345,11 @@ class Engine(Health, Progress):
             self.seq = seq = self.seq + 1
             self._last_op = op_name
             work = direct.start(kind, output, input, arg, async_op, result, seq, op_name)
-            if work is NotImplemented:  # the path's REFUSED: nothing was sent
+            if work is direct.REFUSED:  # nothing was sent
                 self.seq, self._last_op = seq - 1, last_op
         finally:
             self._start_lock.release()
-        if work is not NotImplemented:
+        if work is not direct.REFUSED:
             self._done_seq = seq
         return work
 
