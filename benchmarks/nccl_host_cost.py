@@ -19,6 +19,12 @@ a world of one. Contenders, on a 256-element float32 tensor, all through
 - ``args``: ``all_reduce(t)`` on a Python ProcessGroup that reads what every backend must read of
   the call (the tensor, the reduction and ``asyncOp`` of torch's options; whether torch's profiler
   records) and returns: the floor of any Python group that does the work asked.
+- ``inline``: ``all_reduce(t)`` on a Python ProcessGroup that does the direct path's synchronous
+  steps itself, each written inline in its one method, on smddp's lane: the argument reads, the
+  checks of dtype, reduction, device and layout, the engine's start lock and a sequence number,
+  the current stream and the capture check, a deadline record (a list, in a deque of its own),
+  NCCL's call, an event from a pool recorded after it. No engine, no direct path, no watchdog
+  thread: what smddp's layers add is ``sync`` minus ``inline``.
 
 Each round times ``--iters`` calls of each contender in turn (CPU time of the whole process,
 ``time.process_time``: the watchdog's and any other thread's too); each line is the median over
@@ -28,6 +34,7 @@ rounds of the CPU time per call, in microseconds::
     HOSTCOST async <us>
     HOSTCOST null <us>
     HOSTCOST args <us>
+    HOSTCOST inline <us>
 
 followed by the ratios to ``null``, medians of the within-round ratios, and the NCCL watchdog's
 event queries per smddp call (its thread's share of the host's cost, which the medians of short
@@ -97,6 +104,62 @@ def build(monkeypatch):
     return group, NullGroup(0, 1), ArgsGroup(0, 1), fake, engine
 
 
+def inline_group(engine, comm):
+    """The ``inline`` contender (see the module docstring), on ``comm``'s lane (made already)."""
+    import collections
+
+    import torch
+    import torch.distributed as tdist
+
+    from smddp.comm.engine.events import active as profiling
+    from smddp.torch.process_group import _RED_OPS
+
+    direct = comm.direct
+    lane, streams, dtypes, ops = direct._lane, direct.streams, direct._dtypes, direct._ops
+    lock, timeout, options = engine._start_lock, engine.timeout, tdist.AllreduceOptions
+    records, pool = collections.deque(maxlen=4096), [torch.cuda.Event()]
+    state = {"seq": 0}
+
+    class InlineGroup(tdist.ProcessGroup):
+        """A Python ProcessGroup whose synchronous all-reduce does the direct path's steps inline."""
+
+        def allreduce(self, tensors, opts=None):
+            if profiling() or opts.__class__ is not options or opts.asyncOp:
+                raise RuntimeError("synchronous calls of torch's API only, not under torch.profiler")
+            tensor = tensors[0]
+            op = _RED_OPS.get(hash(opts.reduceOp))
+            dtype, code = dtypes.get(tensor.dtype), ops.get(op)
+            if dtype is None or code is None or tensor.get_device() != -1 or not tensor.is_contiguous():
+                raise RuntimeError("not a tensor the direct path takes")
+            lock.acquire()
+            try:
+                now = time.monotonic()
+                state["seq"] = seq = state["seq"] + 1
+                lane.busy = True
+                try:
+                    nccl = lane.comm
+                    key, current = streams.current()
+                    if streams.capturing():
+                        raise RuntimeError("not during a capture")
+                    record = [now + timeout, seq, "all_reduce", None]
+                    records.append(record)
+                    count = tensor.numel()
+                    if count:
+                        ptr = tensor.data_ptr()
+                        nccl.allReduce(ptr, ptr, count, dtype, code, current.cuda_stream)
+                    event = pool.pop()
+                    event.record(current)
+                    record[3] = event
+                    pool.append(event)  # as the watchdog gives it back once it completed
+                finally:
+                    lane.busy = False
+            finally:
+                lock.release()
+            return None
+
+    return InlineGroup(0, 1)
+
+
 def measure(iters: int, rounds: int):
     """Per contender, the per-round CPU time per call (seconds), and the within-round ratios to null."""
     import pytest
@@ -107,6 +170,7 @@ def measure(iters: int, rounds: int):
         group, null, args, fake, engine = build(monkeypatch)
         t = torch.ones(256)
         tdist.all_reduce(t, group=group)  # makes the communicator (the first call's general path)
+        inline = inline_group(engine, engine.comms["cpu"])
 
         def sync():
             tdist.all_reduce(t, group=group)
@@ -120,7 +184,10 @@ def measure(iters: int, rounds: int):
         def args_call():
             tdist.all_reduce(t, group=args)
 
-        contenders = {"sync": sync, "async": async_wait, "null": null_call, "args": args_call}
+        def inline_call():
+            tdist.all_reduce(t, group=inline)
+
+        contenders = {"sync": sync, "async": async_wait, "null": null_call, "args": args_call, "inline": inline_call}
         for call in contenders.values():
             for _ in range(200):
                 call()
@@ -153,9 +220,9 @@ def main(argv=None) -> None:
     print(f"# python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
     times, queries = measure(args.iters, args.rounds)
-    for name in ("sync", "async", "null", "args"):
+    for name in ("sync", "async", "null", "args", "inline"):
         print(f"HOSTCOST {name} {statistics.median(times[name]) * 1e6:.2f}")
-    for name in ("sync", "async", "args"):
+    for name in ("sync", "async", "args", "inline"):
         ratio = statistics.median(a / b for a, b in zip(times[name], times["null"]))
         print(f"# {name} / null: {ratio:.2f}x (median of within-round ratios)")
     print(f"# the NCCL watchdog's event queries per smddp call: {queries:.3f}")

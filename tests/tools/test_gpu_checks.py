@@ -27,7 +27,7 @@ def test_the_steps_run_and_a_missing_gpu_is_reported_not_fatal(tmp_path):
         assert done.returncode == 1 and "gpu none" in (tmp_path / "machine.txt").read_text()
     assert done.stdout.splitlines() == summary
     host = (tmp_path / "host-cost.log").read_text()
-    assert all(f"HOSTCOST {name} " in host for name in ("sync", "async", "null", "args")), host
+    assert all(f"HOSTCOST {name} " in host for name in ("sync", "async", "null", "args", "inline")), host
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host-cost.log", "machine.txt", "summary.txt"]
 
 
