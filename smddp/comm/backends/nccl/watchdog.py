@@ -169,9 +169,9 @@ class Watchdog:
             The record; the operation counts as in flight until its event completes.
         """
         watched = Watched(seq, op_name, _monotonic() + self.timeout, held, stream, next(self._numbers))
-        if stream is not None:
-            self._newest[stream] = watched  # before it is in flight: see _look
-        self._inflight.append(watched)  # _add(), inline: on the path of every NCCL call
+        if stream is not None:  # _add(), inline: on the path of every NCCL call
+            self._newest[stream] = watched
+        self._inflight.append(watched)
         if self._idle:
             self._wake.set()
         if self._thread is None:
@@ -183,8 +183,6 @@ class Watchdog:
         deadline, ``event`` recorded after the step, ``held`` kept until then."""
         after = Watched(watched.seq, watched.op_name, watched.deadline, held, watched.stream, next(self._numbers))
         after.event = event
-        if after.stream is not None:
-            self._newest[after.stream] = after
         self._add(after)
         return after
 
@@ -195,6 +193,8 @@ class Watchdog:
         return free.pop() if free else torch.cuda.Event()
 
     def _add(self, watched: Watched) -> None:
+        if watched.stream is not None:
+            self._newest[watched.stream] = watched
         self._inflight.append(watched)
         if self._idle:
             self._wake.set()
@@ -266,8 +266,7 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001 - NCCL's error, reported through expire()
             return (inflight[0] if inflight else Watched(0, "an operation in flight", 0.0)), exc
         # Each stream's newest record, asked first: records numbered up to it on that stream are
-        # done too. A record is in _newest before it is in flight, so one made after this
-        # snapshot has a higher number and is asked itself.
+        # done too. One made after this snapshot has a higher number: it is asked itself.
         done_upto = {}
         newest = self._newest
         for stream, last in list(newest.items()):
