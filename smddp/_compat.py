@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -106,31 +106,79 @@ def gloo_options(devices, timeout, threads=None):
     return options
 
 
-def name_backend(backend, group_name: str, size: int):
-    """Give a torch-native backend its group's name and ranks (as torch's own groups have them)."""
+def name_backend(backend, group_name: str, size: int, ranks: Optional[Sequence[int]] = None):
+    """Give a torch-native backend its group's name and global ``ranks`` (default ``range(size)``), as
+    torch's own groups have them."""
     backend.options.group_name = group_name
-    backend.options.global_ranks_in_group = list(range(size))
+    backend.options.global_ranks_in_group = list(range(size)) if ranks is None else list(ranks)
     return backend
 
 
-def nccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None):
+def nccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None,
+                 ranks: Optional[Sequence[int]] = None, split_from=None):
     """A ``ProcessGroupNCCL`` (its communicator is created on first use), named as its group if
-    ``group_name`` is given.
+    ``group_name`` is given, as torch's ``new_group`` makes one.
+
+    ``ranks``: the group's global ranks (default ``range(size)``). ``split_from``: the world's
+    ``ProcessGroupNCCL``, whose communicator the new one is split from (``ncclCommSplit``, with
+    torch's colour for ``ranks``); torch then calls the non-members' side itself (see
+    :func:`smddp.comm.backends.torch_native.create`).
 
     ``Options``' ``is_high_priority_stream``, ``_timeout``, ``group_name`` and
-    ``global_ranks_in_group``: 2.4 to 2.13.
+    ``global_ranks_in_group``: 2.4 to 2.13; ``split_from`` and ``split_color``: 2.3 and later
+    (a torch without them makes the subgroup's communicator from the group's store instead).
     """
     options = tdist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = timeout
+    ranks = list(range(size)) if ranks is None else list(ranks)
     if group_name is not None:
         options.group_name = group_name
-        options.global_ranks_in_group = list(range(size))
+        options.global_ranks_in_group = ranks
+    if split_from is not None and hasattr(options, "split_from"):
+        options.split_from = split_from
+        options.split_color = process_group_color(ranks)
     return tdist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def xccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None):
-    """A ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds); early XPU builds take no options."""
+def process_group_color(ranks: Sequence[int]) -> int:
+    """torch's ``ncclCommSplit`` colour for the group of global ``ranks`` (``_process_group_color``,
+    2.3 to 2.13): every member computes the same one."""
+    return tdist.distributed_c10d._process_group_color(list(ranks))
+
+
+def set_sequence_number(backend) -> None:
+    """Start ``backend``'s collective sequence numbers as torch does for the groups it makes
+    (``_set_sequence_number_for_group``, gloo's and NCCL's, 2.4 to 2.13; absent elsewhere: nothing)."""
+    start = getattr(backend, "_set_sequence_number_for_group", None)
+    if start is not None:
+        start()
+
+
+def debug_wrapper(backend, store, group_name: str, rank: int, size: int, timeout):
+    """``backend`` inside torch's ``ProcessGroupWrapper``, as ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps
+    torch's own groups: before each collective the ranks compare its kind, shapes and dtypes over a
+    gloo group of the wrapper's own and raise, naming both calls, where they differ
+    (``distributed_c10d._create_process_group_wrapper``, 2.4 to 2.13)."""
+    return tdist.distributed_c10d._create_process_group_wrapper(
+        wrapped_pg=backend, store_prefix=group_name, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def plain_group(store, rank: int, size: int, device_type: str, backend_type_name: str, backend):
+    """A torch ``ProcessGroup`` (C++) whose ``device_type`` tensors go to ``backend`` through torch's
+    dispatcher, for the collectives a c10d ``Backend``'s Python binding lacks
+    (``allgather_into_tensor_coalesced``, ``reduce_scatter_tensor_coalesced``: 2.4 to 2.13).
+    ``ProcessGroup(store, rank, size)``, ``_set_default_backend`` and ``_register_backend``: 2.4 to 2.13."""
+    group = tdist.ProcessGroup(store, rank, size)
+    group._set_default_backend(backend_type(backend_type_name))
+    group._register_backend(torch.device(device_type), backend_type(backend_type_name), backend)
+    return group
+
+
+def xccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str] = None,
+                 ranks: Optional[Sequence[int]] = None):
+    """A ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds), named as its group of global ``ranks``
+    (default ``range(size)``) if ``group_name`` is given; early XPU builds take no options."""
     try:
         options = tdist.ProcessGroupXCCL.Options()
         options._timeout = timeout
@@ -138,7 +186,7 @@ def xccl_backend(store, rank: int, size: int, timeout, group_name: Optional[str]
         return tdist.ProcessGroupXCCL(store, rank, size)
     if group_name is not None:
         options.group_name = group_name
-        options.global_ranks_in_group = list(range(size))
+        options.global_ranks_in_group = list(range(size)) if ranks is None else list(ranks)
     return tdist.ProcessGroupXCCL(store, rank, size, options)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -31,10 +30,13 @@ class BackendInfo:
     """A registered backend: where its class lives and what it needs."""
 
     name: str
-    target: str  # "module:Class"
+    target: str  # "module:Class"; a delegating backend's: "module:function" (see create_delegate)
     device: str  # the device type whose tensors it moves ("cpu", "cuda", "xpu")
     needs: str  # what to install when it is missing
     summary: str
+    #: It hands its device's tensors to torch's own backend object as they come (the delegated
+    #: route, :mod:`smddp.comm.backends.torch_native`); the engine then serves CPU tensors only.
+    delegated: bool = False
 
 
 BACKENDS: Dict[str, BackendInfo] = {
@@ -57,17 +59,26 @@ def register(info: BackendInfo) -> None:
     BACKENDS[info.name] = info
 
 
-# Device backends: each moves its device's tensors; its class's build(ctx) adds a CPU
+# Device backends. The delegating ones hand their device's tensors to torch's own backend object
+# (smddp/comm/backends/torch_native.py); nccl moves them itself, through CuPy; each pairs with a CPU
 # communicator for CPU tensors (smddp/comm/backends/devices.py).
+_NATIVE = "smddp.comm.backends.torch_native:create"
 for _info in (
+    BackendInfo("torch-nccl", _NATIVE, "cuda", TORCH_CUDA_INSTALL,
+                "CUDA tensors handed to torch's own ProcessGroupNCCL as they come; the default on CUDA",
+                delegated=True),
     BackendInfo("nccl", "smddp.comm.backends.nccl.communicator:NCCLCommunicator", "cuda", CUDA_INSTALL,
-                "NCCL through CuPy on torch's current CUDA stream; the default on CUDA"),
-    BackendInfo("torch-nccl", "smddp.comm.backends.torch_native:TorchNCCLCommunicator", "cuda",
-                TORCH_CUDA_INSTALL, "torch's own ProcessGroupNCCL; the default on CUDA without CuPy"),
-    BackendInfo("xccl", "smddp.comm.backends.torch_native:XCCLCommunicator", "xpu", XPU_INSTALL,
-                "Intel GPUs: torch's XCCL, else oneCCL's bindings; the default on XPU"),
-    BackendInfo("ccl", "smddp.comm.backends.torch_native:CCLCommunicator", "xpu", XPU_INSTALL,
-                "Intel's oneccl_bindings_for_pytorch on XPU and CPU tensors"),
+                "NCCL through CuPy, smddp's own stream and lifetime rules, stall reports and SMDDP_DEBUG "
+                "checks on CUDA tensors (opt-in: SMDDP_BACKEND=nccl)"),
+    BackendInfo("xccl", _NATIVE, "xpu", XPU_INSTALL,
+                "Intel GPUs: XPU tensors handed to torch's XCCL, else oneCCL's bindings; the default on XPU",
+                delegated=True),
+    BackendInfo("ccl", _NATIVE, "xpu", XPU_INSTALL,
+                "Intel's oneccl_bindings_for_pytorch, handed XPU tensors (CPU ones where there is no XPU)",
+                delegated=True),
+    BackendInfo("torch-gloo", _NATIVE, "cpu", "a torch build with gloo (every official wheel has it)",
+                "CPU tensors handed to torch's own ProcessGroupGloo as they come: the GPU's route on a CPU, "
+                "without smddp's planes", delegated=True),
 ):
     register(_info)
 
@@ -107,13 +118,9 @@ def probe() -> Probe:
 
 # Automatic choice per accelerator; the first whose condition holds wins.
 _AUTO: Tuple[Tuple[str, Callable[[Probe, Topology], bool]], ...] = (
-    ("nccl", lambda found, topology: found.cuda and found.cupy),
-    ("torch-nccl", lambda found, topology: found.cuda),  # CuPy missing: torch's NCCL, with a note
+    ("torch-nccl", lambda found, topology: found.cuda),  # CuPy's nccl is the opt-in, installed or not
     ("xccl", lambda found, topology: found.xpu and (found.xccl or found.ccl)),
 )
-
-_log = logging.getLogger("smddp")
-
 
 def _device_backend_missing(name: str, found: Probe) -> Optional[str]:
     """Why device backend ``name`` cannot run on a machine like ``found``; None if it can."""
@@ -122,8 +129,8 @@ def _device_backend_missing(name: str, found: Probe) -> Optional[str]:
         if not found.cuda:
             return f"the 'nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
         if not found.cupy:
-            return (f"the 'nccl' backend needs CuPy, which is not installed: {CUDA_INSTALL}; "
-                    f"or use SMDDP_BACKEND=torch-nccl (torch's own NCCL, no CuPy needed)")
+            return (f"the 'nccl' backend needs CuPy, which is not installed: {CUDA_INSTALL}; or leave "
+                    f"SMDDP_BACKEND unset for 'torch-nccl' (torch's own NCCL group, the default, no CuPy needed)")
     elif name == "torch-nccl" and not found.cuda:
         return f"the 'torch-nccl' backend needs a CUDA GPU, and {no_cuda}; use 'gloo' or 'mpi' for CPU tensors"
     elif name == "xccl":
@@ -148,9 +155,9 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
     Returns:
         A name in :data:`BACKENDS`.
 
-    Automatic choice: a world of one without a launcher is ``local``; on CUDA ``nccl``
-    (``torch-nccl``, with a logged note, when CuPy is missing); on an Intel GPU ``xccl``;
-    otherwise ``mpi`` under an MPI launcher with mpi4py, else ``gloo``.
+    Automatic choice: a world of one without a launcher is ``local``; on CUDA ``torch-nccl``
+    (CuPy's ``nccl`` is an opt-in, installed or not); on an Intel GPU ``xccl``; otherwise ``mpi``
+    under an MPI launcher with mpi4py, else ``gloo``.
 
     Raises:
         BackendUnavailableError: the name is unknown (the message lists the valid ones), a
@@ -163,9 +170,6 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
             return "local"
         for candidate, applies in _AUTO:
             if candidate in BACKENDS and applies(found, topology):
-                if candidate == "torch-nccl" and topology.rank == 0:
-                    _log.warning("smddp: CuPy is not installed, so CUDA tensors go through torch's own NCCL "
-                                 "(backend 'torch-nccl'); for smddp's 'nccl' backend: %s", CUDA_INSTALL)
                 return candidate
         if found.xpu:
             raise BackendUnavailableError(
@@ -186,7 +190,8 @@ def choose_backend(requested: Optional[str], env: Mapping[str, str], topology: T
 
 
 def backend_class(name: str):
-    """Import and return the communicator class of backend ``name``.
+    """Import and return the communicator class of backend ``name`` (a delegating backend's: its
+    delegate factory, :func:`smddp.comm.backends.torch_native.create`).
 
     Raises:
         BackendUnavailableError: unknown name, or its library is not installed (the
@@ -212,10 +217,12 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
 
     CPU tensors get :func:`smddp.comm.planes.choose.build`'s communicator: the backend's own (``mpi``,
     ``gloo``) composed with the fastest plane the group's layout allows (shared memory
-    within a host), under any launcher. A device backend's class may define ``build(ctx)``
-    returning several (it adds the CPU communicator through ``ctx.cpu``); otherwise one
-    instance serves its device types. The CPU-plane settings are read from the environment
-    here, once per world group.
+    within a host), under any launcher. A delegating backend (``torch-nccl``, ``xccl``, ...)
+    gets that CPU communicator alone: its device's tensors go to torch's own backend object
+    (:func:`create_delegate`). A device backend's class may define ``build(ctx)`` returning
+    several (it adds the CPU communicator through ``ctx.cpu``); otherwise one instance serves
+    its device types. The CPU-plane settings are read from the environment here, once per
+    world group.
 
     Raises:
         BackendUnavailableError: as :func:`backend_class`, or the backend cannot start here.
@@ -225,11 +232,40 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
     found = choose.settings()
     if name in ("mpi", "gloo"):
         return {"cpu": choose.build(name, ctx, found)}
-    cls = backend_class(name)
     companion = choose.companion(ctx.topology, has_module("mpi4py"), found)
+    if BACKENDS[name].delegated:
+        return {"cpu": choose.build(companion, ctx, found)}
+    cls = backend_class(name)
     ctx = dataclasses.replace(ctx, cpu=lambda c: choose.build(companion, c, found))
     build = getattr(cls, "build", None)
     if build is not None:
         return build(ctx)
     comm = cls(ctx)
     return {device: comm for device in cls.device_types}
+
+
+def create_delegate(name: str, ctx, cpu, group_name: str = "", ranks=None, parent=None):
+    """torch's own backend object to which backend ``name`` hands its device's tensors; None when
+    ``name`` does not delegate.
+
+    Args:
+        name: the group's backend.
+        ctx: the group's context.
+        cpu: the group's CPU communicator (:func:`create_communicators`): its ranks have met, and
+            its local rank picks this rank's device where no launcher counted one.
+        group_name: the group's name as torch registered it.
+        ranks: a subgroup's global ranks (None: the world).
+        parent: a subgroup's world delegate to split from (torch's rule: the world is bound to a
+            device), else None.
+
+    Returns:
+        A :class:`smddp.comm.backends.torch_native.Delegate`, or None.
+
+    Raises:
+        BackendUnavailableError: the device or its library is missing (the message says what to install).
+    """
+    if not BACKENDS[name].delegated:
+        return None
+    topology = dataclasses.replace(ctx.topology, local_rank=cpu.local_rank, local_size=cpu.local_size)
+    ctx = dataclasses.replace(ctx, topology=topology, layout=getattr(cpu, "layout", None))
+    return backend_class(name)(name, ctx, group_name, ranks, parent)

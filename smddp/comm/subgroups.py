@@ -15,6 +15,9 @@ How each backend makes a subgroup:
 - any other CPU communicator (``gloo``): torch's gloo over the group's store;
 - a group of one: the ``local`` communicator (nothing to exchange).
 
+A delegating backend's device tensors (``torch-nccl``, ``xccl``) go to a torch backend object of the
+subgroup's own, made by :func:`smddp.comm.create_delegate`; only its CPU communicator is made here.
+
 Ranks: ``ranks`` are *global* ranks, in group-rank order (group rank ``i`` is global rank
 ``ranks[i]``), as torch passes them (``global_ranks_in_group``).
 """
@@ -121,8 +124,8 @@ def _flat(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicato
 
         return GlooCommunicator(ctx)
     raise BackendUnavailableError(
-        f"the {comm.name!r} backend cannot make subgroups; use SMDDP_BACKEND=nccl (CUDA) or a CPU "
-        f"backend (mpi, gloo) for torch.distributed.new_group and DeviceMesh"
+        f"the {comm.name!r} backend cannot make subgroups; use the default on GPUs (torch-nccl, xccl) or a "
+        f"CPU backend (mpi, gloo) for torch.distributed.new_group and DeviceMesh"
     )
 
 

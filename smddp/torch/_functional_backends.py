@@ -27,24 +27,16 @@ import torch
 import torch.distributed as tdist
 
 from smddp import _compat
-from smddp.comm.backends.gloo_group import gloo_group
+from smddp.comm.backends.gloo_group import lazy_gloo_group
 
 
-def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, lazy: bool = True):
-    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can (``lazy``).
+def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, ranks=None):
+    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can, named as its group.
 
     Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`):
     ``one_host``, from the group's agreed layout, says whether loopback reaches every rank.
     """
-    backend = None
-    if lazy:
-        try:
-            backend = gloo_group(store, rank, size, timeout, one_host, lazy=True, threads=2)
-        except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
-            backend = None
-    if backend is None:
-        backend = gloo_group(store, rank, size, timeout, one_host)
-    return _compat.name_backend(backend, group_name, size)
+    return _compat.name_backend(lazy_gloo_group(store, rank, size, timeout, one_host), group_name, size, ranks)
 
 
 def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
@@ -64,7 +56,8 @@ def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
     return found
 
 
-def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, group_name: str) -> Dict[str, float]:
+def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, group_name: str,
+           delegate=None, ranks=None) -> Dict[str, float]:
     """Register a torch-native backend on ``group`` for every device type available here.
 
     A backend that cannot be created is skipped with a warning that names the device and the
@@ -77,18 +70,27 @@ def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, grou
         size: the group's size.
         timeout: the group's timeout (a ``datetime.timedelta``).
         group_name: the group's name, as torch registered it.
+        delegate: the group's :class:`~smddp.comm.backends.torch_native.Delegate`, if it hands a
+            device's tensors to torch's own backend: that object serves its device here too (one
+            communicator per device and group).
+        ranks: the group's global ranks (None: the world).
 
     Returns:
         ``{device type: seconds its backend took to create}`` for the backends registered.
     """
     costs: Dict[str, float] = {}
+    if delegate is not None:
+        _compat.register_device_backend(group, delegate.device_type, delegate.kind, delegate.backend)
     # Whether every rank is on this host: the group's agreed layout says (its CPU communicator's).
     layout = getattr(group.engine.comms.get("cpu"), "layout", None)
     one_host = layout.one_host if layout is not None else size == 1
     for device, kind, factory in _devices(one_host):
+        if delegate is not None and device == delegate.device_type:
+            continue
         started = time.perf_counter()
         try:
-            backend = factory(tdist.PrefixStore(f"smddp/native/{device}/", store), rank, size, timeout, group_name)
+            backend = factory(tdist.PrefixStore(f"smddp/native/{device}/", store), rank, size, timeout, group_name,
+                              ranks=ranks)
             _compat.register_device_backend(group, device, kind, backend)
         except Exception as exc:  # noqa: BLE001 - the job runs without it; say what is lost
             warnings.warn(

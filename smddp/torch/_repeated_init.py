@@ -70,8 +70,8 @@ def _world_differences(world: Any, kwargs: Mapping[str, Any]) -> List[str]:
     differ = []
     engine = world.engine
     backend = kwargs.get("backend")
-    if backend not in _ANY_BACKEND and str(backend).lower().replace("_", "-") != engine.backend:
-        differ.append(f"backend={backend!r} (the group's: {engine.backend!r})")
+    if backend not in _ANY_BACKEND and str(backend).lower().replace("_", "-") != world.backend_name:
+        differ.append(f"backend={backend!r} (the group's: {world.backend_name!r})")
     timeout = kwargs.get("timeout")
     if timeout is not None:
         if not isinstance(timeout, timedelta):

@@ -97,13 +97,17 @@ _INIT_KWARGS = ("backend", "init_method", "timeout", "world_size", "rank", "stor
 
 
 # ---------------------------------------------------------------------------- checks
-def _engine() -> Engine:
+def _group() -> process_group.SmddpProcessGroup:
     pg = groups.current()
     if pg is None:
         raise NotInitializedError(
             "smddp is not initialized: call smddp.torch.distributed.init_process_group() first"
         )
-    return pg.engine
+    return pg
+
+
+def _engine() -> Engine:
+    return _group().engine
 
 
 def _check_group(grp) -> None:
@@ -144,6 +148,30 @@ def _op(op) -> Op:
 
 
 # ---------------------------------------------------------------------------- setup
+# ---------------------------------------------------------------------------- the delegated route
+#: smdistributed's reductions as torch's, for a group's device tensors (torch's own backend takes them).
+_TORCH_OPS = {Op.AVERAGE: tdist.ReduceOp.AVG, Op.SUM: tdist.ReduceOp.SUM, Op.MIN: tdist.ReduceOp.MIN,
+              Op.MAX: tdist.ReduceOp.MAX}
+
+
+def _options(kind, async_op: bool):
+    """torch's options of kind ``kind`` for a call, as ``torch.distributed``'s functions make them."""
+    opts = kind()
+    if _compat.SYNC_RETURNS_NONE:
+        opts.asyncOp = async_op
+    return opts
+
+
+def _as_torch(work, async_op: bool):
+    """What ``torch.distributed``'s functions do with the Work of a device collective: hand it back
+    (asynchronous), or wait on it here (which orders the caller's stream, as torch's own call)."""
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
 def is_available() -> bool:
     """Check if script started as a distributed job.
 
@@ -326,7 +354,7 @@ def get_backend() -> str:
     Raises:
         NotInitializedError: called before :func:`init_process_group`.
     """
-    return _engine().backend
+    return _group().backend_name
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -356,12 +384,16 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD, async_op=False) -> Op
         InvalidArgumentError: ``op`` is not one of the supported ops.
         CollectiveTimeout: the other ranks did not join within the timeout.
     """
-    engine = _engine()
+    pg = _group()
     if group is not _WORLD:  # the checks' common case inline: the call costs microseconds
         _check_group(group)
     if not isinstance(tensor, torch.Tensor):
         _check_tensor(tensor)
-    return engine.all_reduce(tensor, _op(op), async_op)  # the engine's Handle, or None when synchronous
+    if pg.delegated is not None and pg.delegated(tensor):  # a GPU's tensor: torch's own group
+        opts = _options(tdist.AllreduceOptions, async_op)
+        opts.reduceOp = _TORCH_OPS[_op(op)]
+        return _as_torch(pg.allreduce([tensor], opts), async_op)
+    return pg.engine.all_reduce(tensor, _op(op), async_op)  # the engine's Handle, or None when synchronous
 
 
 def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -382,10 +414,15 @@ def broadcast(tensor, src=0, group=group.WORLD, async_op=False) -> Optional[Hand
         InvalidArgumentError: ``src`` is not a rank of the job.
         CollectiveTimeout: the other ranks did not join within the timeout.
     """
-    engine = _engine()
+    pg = _group()
     _check_group(group)
     _check_tensor(tensor)
-    return engine.broadcast(tensor, src, async_op)
+    if pg.delegated is not None and pg.delegated(tensor):
+        pg.engine.checks.rank_arg(src, "src")
+        opts = _options(_compat.BroadcastOptions, async_op)
+        opts.rootRank, opts.rootTensor = src, 0
+        return _as_torch(pg.broadcast([tensor], opts), async_op)
+    return pg.engine.broadcast(tensor, src, async_op)
 
 
 def all_gather(tensor_list, tensor, group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -408,14 +445,18 @@ def all_gather(tensor_list, tensor, group=group.WORLD, async_op=False) -> Option
             a different number of elements than ``tensor``.
         CollectiveTimeout: the other ranks did not join within the timeout.
     """
-    engine = _engine()
+    pg = _group()
     _check_group(group)
     _check_tensor(tensor)
     if not isinstance(tensor_list, (list, tuple)):
         raise InvalidTypeError(f"tensor_list must be a list of tensors, got {type(tensor_list).__name__}")
     for i, out in enumerate(tensor_list):
         _check_tensor(out, f"tensor_list[{i}]")
-    return engine.all_gather(tensor_list, tensor, async_op)
+    if pg.delegated is not None and pg.delegated(tensor):
+        pg.engine.checks.per_rank(tensor_list, tensor, "all_gather", "tensor_list", "input")
+        return _as_torch(pg.allgather([list(tensor_list)], [tensor], _options(_compat.AllgatherOptions, async_op)),
+                         async_op)
+    return pg.engine.all_gather(tensor_list, tensor, async_op)
 
 
 def all_to_all_single(
@@ -450,11 +491,19 @@ def all_to_all_single(
             dim 0, or a dim 0 that does not divide equally without them.
         CollectiveTimeout: the other ranks did not join within the timeout.
     """
-    engine = _engine()
+    pg = _group()
     _check_group(group)
     _check_tensor(output_t, "output_t")
     _check_tensor(input_t, "input_t")
-    return engine.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, async_op)
+    if pg.delegated is not None and pg.delegated(input_t):
+        checks = pg.engine.checks
+        out_counts = checks.split_counts(output_t, output_split_sizes, "output")
+        in_counts = checks.split_counts(input_t, input_split_sizes, "input")
+        checks.self_split(out_counts, in_counts, "all_to_all_single")
+        work = pg.alltoall_base(output_t, input_t, list(output_split_sizes or []), list(input_split_sizes or []),
+                                _options(_compat.AllToAllOptions, async_op))
+        return _as_torch(work, async_op)
+    return pg.engine.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, async_op)
 
 
 def barrier(group=group.WORLD, async_op=False) -> Optional[Handle]:
@@ -471,6 +520,11 @@ def barrier(group=group.WORLD, async_op=False) -> Optional[Handle]:
         NotInitializedError, InvalidGroupError: as :func:`all_reduce`.
         CollectiveTimeout: the other ranks did not arrive within the timeout.
     """
-    engine = _engine()
+    pg = _group()
     _check_group(group)
-    return engine.barrier(async_op)
+    if pg.delegate is not None:  # a GPU job: torch's barrier on the group's device, as torch's own group
+        opts = _options(_compat.BarrierOptions, async_op)
+        if pg.delegate.device.index is not None:
+            opts.device_ids = [pg.delegate.device.index]
+        return _as_torch(pg.barrier(opts), async_op)
+    return pg.engine.barrier(async_op)

@@ -37,6 +37,7 @@ from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
 from smddp.job.topology import Topology, discover
 from smddp.torch import _functional_backends, _init_methods, _labels
+from smddp.torch.delegating_group import DelegatingProcessGroup
 from smddp.torch.process_group import BACKEND_NAME, SmddpProcessGroup
 
 __all__ = ["current", "create", "destroy", "register", "request_backend", "resolve_timeout"]
@@ -126,8 +127,15 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         topology, ranks = _subgroup_topology(options)
         ctx = Context(topology, timeout, store, device)
         communicators = subgroups.subgroup_communicators(_world.engine.comms, ranks, ctx)
+        parent = _world.delegate
+        if device is None and parent is not None:
+            device = parent.device  # a subgroup's device tensors live on its members' device
     else:
         # A world group torch destroyed without calling its shutdown() (older torch calls it
+        backend = parent.name if parent is not None else None
+        # torch's rule: a subgroup's NCCL communicator is split from the world's where the world is
+        # bound to its device (torch then makes the non-members' side of the split itself).
+        split = parent if getattr(_world, "bound_device_id", None) is not None else None
         # only on NCCL's groups): close it before its successor opens, or its threads and
         # shared memory would stay until exit, one set per init_process_group().
         destroy()
@@ -135,14 +143,29 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         topology, ranks = _world_topology_for(options.group_rank, options.group_size), None
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
-        communicators = comm.create_communicators(backend, Context(topology, timeout, store, device))
+        ctx = Context(topology, timeout, store, device)
+        communicators = comm.create_communicators(backend, ctx)
+        split = None
+    try:
+        delegate = None if backend is None else comm.create_delegate(
+            backend, ctx, communicators["cpu"], name, ranks, split)
+    except BaseException:
+        for made in {id(c): c for c in communicators.values()}.values():
+            made.close()
+        raise
     engine = Engine(communicators, timeout.total_seconds(), store, _labels.ADVICE)
     if ranks is not None:
         engine.describe_group(name, ranks)
-    group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
+    if delegate is None:
+        group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
+    else:
+        group = DelegatingProcessGroup(engine, topology.rank, topology.size, delegate, on_shutdown=_shut_down)
+        if ranks is None and device is not None:
+            # As torch binds its own group to init_process_group's device_id: its subgroups then split.
+            group.bound_device_id = delegate.device
     _compat.set_group_name(group, name)
     group.native_backends = _functional_backends.attach(
-        group, store, topology.rank, topology.size, timeout, name)
+        group, store, topology.rank, topology.size, timeout, name, delegate, ranks)
     if ranks is None:
         _world, _world_topology = group, topology
     else:
@@ -214,7 +237,10 @@ def _close(group: SmddpProcessGroup) -> None:
     shutdown, where its threads abort the process after the script has succeeded.
     """
     group.engine.close()
-    for device in list(group.native_backends):
+    devices = list(group.native_backends)
+    if group.delegate is not None:
+        devices.append(group.delegate.device_type)
+    for device in devices:
         try:
             _compat.device_backend(group, torch.device(device)).shutdown()
         except Exception:  # noqa: BLE001 - a backend without shutdown, or already gone

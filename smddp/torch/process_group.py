@@ -108,11 +108,19 @@ class SmddpProcessGroup(tdist.ProcessGroup):
 
     Every collective returns the engine's :class:`~smddp.comm.engine.handle.Handle` (torch's
     ``Work``), or None for a synchronous call of torch's API (see :func:`_wants_work`).
+    On a GPU the group is a :class:`~smddp.torch.delegating_group.DelegatingProcessGroup`.
     """
+
+    #: torch's own backend object this group hands a device's tensors to (the delegated route), and
+    #: the test of a tensor for it: None here, where every tensor goes to the engine.
+    delegate = None
+    delegated = None
 
     def __init__(self, engine: Engine, rank: int, size: int, on_shutdown=None):
         super().__init__(rank, size)
         self.engine = engine
+        #: The group's backend as smddp's ``get_backend()`` names it.
+        self.backend_name = engine.backend
         self._on_shutdown = on_shutdown
         self._group_name = ""
         #: Device type to the seconds its torch-native backend took to create (see _functional_backends).
@@ -322,7 +330,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             return _compat.device_backend(self, tensor.device)
         except RuntimeError:
             raise BackendUnavailableError(
-                f"{what}: neither the {self.engine.backend!r} backend nor a torch-native one can move "
+                f"{what}: neither the {self.backend_name!r} backend nor a torch-native one can move "
                 f"{tensor.device.type} tensors point-to-point here"
             ) from None
 

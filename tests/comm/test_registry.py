@@ -1,9 +1,9 @@
-"""Device backends on a CPU machine: selection, errors, devices, routing, torch's Work wrapper.
+"""Device backends on a CPU machine: selection, errors, devices, routing, torch's Work as a Pending.
 
 The hardware that is absent here (CUDA and Intel GPUs) is replaced by hand-built
-:class:`~smddp.comm.Probe` records. Everything else is real: torch's gloo stands in for torch's
-NCCL behind the same wrapper, with two ranks in two threads. NCCL through CuPy's own pieces
-(tables, the unique id, all_to_all's plan) are tests/comm/backends/nccl/test_units.py's.
+:class:`~smddp.comm.Probe` records. The delegated route itself (device tensors handed to torch's
+own backend object) runs in tests/torch/test_delegated.py, over torch's gloo. NCCL through CuPy's
+own pieces (tables, the unique id, all_to_all's plan) are tests/comm/backends/nccl/test_units.py's.
 """
 
 from __future__ import annotations
@@ -12,23 +12,21 @@ import importlib.util
 import itertools
 import logging
 import sys
-import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as tdist
 
 import smddp.comm as comm
 from smddp.comm import BACKENDS, Probe, choose_backend
+from smddp.comm.backends import torch_native
 from smddp.comm.backends.c10d_work import WorkPending
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.torch_native import TorchBackendCommunicator
-from smddp.comm.base import ARITHMETIC, Communicator, Context, Done, Op, Pending
+from smddp.comm.base import Communicator, Context, Done, Op, Pending
 from smddp.comm.engine import Engine
 from smddp.comm.planes.choose import PlaneSettings, build, companion
-from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
+from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,12 +57,12 @@ XPU_BARE = Probe(xpu=True)
         (CPU_MPI, MPI2, "mpi"),
         (CPU, MPI2, "gloo"),  # MPI launcher, no mpi4py
         (CPU_MPI, TORCHRUN2, "gloo"),
-        (CUDA, TORCHRUN2, "nccl"),
-        (CUDA, MPI2, "nccl"),
-        (CUDA, MPI1, "nccl"),
+        (CUDA, TORCHRUN2, "torch-nccl"),  # CuPy installed or not: torch's own NCCL group
+        (CUDA, MPI2, "torch-nccl"),
+        (CUDA, MPI1, "torch-nccl"),
         (CUDA_NO_CUPY, TORCHRUN2, "torch-nccl"),
         (CUDA_NO_CUPY, MPI2, "torch-nccl"),
-        (Probe(cuda=True, cupy=True, xpu=True, xccl=True), TORCHRUN2, "nccl"),  # CUDA first
+        (Probe(cuda=True, cupy=True, xpu=True, xccl=True), TORCHRUN2, "torch-nccl"),  # CUDA first
         (XPU_XCCL, TORCHRUN2, "xccl"),
         (XPU_CCL, MPI2, "xccl"),
         (Probe(xpu=True, xccl=True, ccl=True, mpi4py=True), MPI2, "xccl"),
@@ -77,15 +75,13 @@ def test_automatic_choice(found, topology, expected):
 
 
 @pytest.mark.unit
-def test_cuda_without_cupy_falls_back_with_a_note_on_rank_0_only(caplog):
-    with caplog.at_level(logging.WARNING, logger="smddp"):
-        assert choose_backend(None, {}, MPI2_RANK1, CUDA_NO_CUPY) == "torch-nccl"
+def test_cuda_gets_torchs_own_nccl_group_with_or_without_cupy_and_nothing_to_warn(caplog):
+    """CuPy's ``nccl`` is an opt-in: its presence changes nothing, and its absence is no news."""
+    for found in (CUDA, CUDA_NO_CUPY):
+        with caplog.at_level(logging.DEBUG, logger="smddp"):
+            assert choose_backend(None, {}, MPI2, found) == "torch-nccl"
     assert caplog.records == []
-    with caplog.at_level(logging.WARNING, logger="smddp"):
-        assert choose_backend(None, {}, MPI2, CUDA_NO_CUPY) == "torch-nccl"
-    (record,) = caplog.records
-    assert "CuPy is not installed" in record.getMessage()
-    assert "smddp[cuda12]" in record.getMessage() and "cupy-cuda13x" in record.getMessage()
+    assert choose_backend(None, {"SMDDP_BACKEND": "nccl"}, MPI2, CUDA) == "nccl"
 
 
 def test_intel_gpu_without_oneccl_says_what_to_install():
@@ -109,7 +105,7 @@ def test_every_machine_gets_a_backend_for_its_device(topology):
         if not topology.distributed:
             assert name == "local"
         elif found.cuda:
-            assert name == ("nccl" if found.cupy else "torch-nccl")
+            assert name == "torch-nccl"
         elif found.xpu:
             assert name == "xccl"
         else:
@@ -151,7 +147,7 @@ def test_requested_backend_beats_the_environment():
         ("nccl", CPU, ["needs a CUDA GPU", "torch.cuda.is_available() is False", "'gloo'"]),
         ("nccl", Probe(xpu=True, xccl=True), ["needs a CUDA GPU"]),
         ("nccl", CUDA_NO_CUPY, ["needs CuPy", "pip install 'smddp[cuda12]'", "'smddp[cuda13]'", "cupy-cuda12x",
-                                "cupy-cuda13x", "SMDDP_BACKEND=torch-nccl"]),
+                                "cupy-cuda13x", "leave SMDDP_BACKEND unset for 'torch-nccl'"]),
         ("torch-nccl", CPU, ["needs a CUDA GPU"]),
         ("xccl", CUDA, ["needs an Intel GPU", "torch.xpu.is_available() is False"]),
         ("xccl", XPU_BARE, ["no XCCL", "oneccl_bind_pt", "torch XPU build >= 2.8"]),
@@ -173,10 +169,13 @@ def test_registry_names_each_device_backends_device_and_install_hint():
     assert BACKENDS["xccl"].device == BACKENDS["ccl"].device == "xpu"
     assert "cupy-cuda12x" in BACKENDS["nccl"].needs and "cupy-cuda13x" in BACKENDS["nccl"].needs
     assert "oneccl_bind_pt" in BACKENDS["xccl"].needs
-    for name in ("nccl", "torch-nccl", "xccl", "ccl"):
-        cls = comm.backend_class(name)  # importable without CuPy, oneCCL or a device
-        assert issubclass(cls, Communicator) and cls.name == name
-        assert BACKENDS[name].device in cls.device_types
+    cls = comm.backend_class("nccl")  # importable without CuPy or a device
+    assert issubclass(cls, Communicator) and cls.name == "nccl" and BACKENDS["nccl"].device in cls.device_types
+    assert not BACKENDS["nccl"].delegated
+    for name in ("torch-nccl", "xccl", "ccl", "torch-gloo"):
+        # torch's own backend object takes the device's tensors: the registry names its factory
+        assert BACKENDS[name].delegated and comm.backend_class(name) is torch_native.create
+        assert torch_native.DEVICES[name] == BACKENDS[name].device
 
 
 @pytest.mark.unit
@@ -190,6 +189,7 @@ def test_importing_device_backends_loads_no_device_library(monkeypatch, module):
     path = ROOT / "smddp" / "comm" / "backends" / module
     spec = importlib.util.spec_from_file_location(f"_fresh_{module.replace('/', '_')[:-3]}", path)
     fresh = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, fresh)  # where a dataclass looks its module up
     spec.loader.exec_module(fresh)
     assert fresh.__doc__
 
@@ -199,21 +199,30 @@ def _ctx(topology: Topology = ONE, store=None, device=None) -> Context:
     return Context(topology, timedelta(seconds=10), store, device)
 
 
+def _create(name: str):
+    """What a group of backend ``name`` makes: its communicators, then torch's backend object."""
+    comms = comm.create_communicators(name, _ctx())
+    try:
+        return comm.create_delegate(name, _ctx(), comms["cpu"])
+    finally:
+        comms["cpu"].close()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 @pytest.mark.parametrize("name", ["nccl", "torch-nccl"])
 def test_cuda_backends_fail_clearly_without_a_gpu(name):
     with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
-        comm.create_communicators(name, _ctx())
+        _create(name)
 
 
 @pytest.mark.skipif(getattr(torch, "xpu", None) is not None and torch.xpu.is_available(), reason="has an XPU")
 def test_xpu_backends_fail_clearly_without_an_intel_gpu():
     with pytest.raises(BackendUnavailableError, match="needs an Intel GPU") as err:
-        comm.create_communicators("xccl", _ctx())
+        _create("xccl")
     assert "oneccl_bind_pt" in str(err.value)
     if not comm.has_module("oneccl_bindings_for_pytorch"):
         with pytest.raises(BackendUnavailableError, match="oneccl_bind_pt"):
-            comm.create_communicators("ccl", _ctx())
+            _create("ccl")
 
 
 # ---------------------------------------------------------------------------- devices
@@ -403,89 +412,3 @@ def test_polled_work_runs_its_follow_up_once_and_raises_errors():
     assert after == [1] and work.waits == 1
     with pytest.raises(RuntimeError, match="peer died"):
         WorkPending(FakeWork(error=RuntimeError("peer died")), stream_ordered=False).test()
-
-
-class GlooStandIn(TorchBackendCommunicator):
-    """torch's gloo behind the wrapper that serves torch's NCCL and XCCL."""
-
-    name = "gloo-standin"
-    device_types = ("cpu",)
-    device_type = "cpu"
-
-
-def _two_ranks(body):
-    """Run ``body(rank, engine)`` on two ranks (threads) over torch gloo; return their results."""
-    store = tdist.HashStore()
-    results, errors = {}, []
-
-    def rank(r: int) -> None:
-        try:
-            topology = Topology(rank=r, size=2, local_rank=r, local_size=2, launcher="torchrun")
-            backend = tdist.ProcessGroupGloo(tdist.PrefixStore("t", store), r, 2, timedelta(seconds=20))
-            engine = Engine({"cpu": GlooStandIn(_ctx(topology), backend=backend)}, timeout=20)
-            results[r] = body(r, engine)
-            engine.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert len(results) == 2, "a rank did not finish"
-    return results
-
-
-@pytest.mark.unit
-def test_torch_backend_wrapper_runs_every_collective_and_op():
-    inputs = torch.stack([torch.tensor([1.0, -2.0, 3.0]), torch.tensor([4.0, 5.0, -6.0])])
-
-    def body(r, engine):
-        out = {}
-        for op in ARITHMETIC:
-            t = inputs[r].clone()
-            engine.all_reduce(t, op)
-            out[op] = t
-        ints = torch.tensor([7, 2]) * (r + 1)
-        engine.all_reduce(ints, Op.AVERAGE)
-        out["int_average"] = ints
-        bits = torch.tensor([6, 3, -1], dtype=torch.int32) * (r + 1)
-        engine.all_reduce(bits, Op.BXOR)
-        out["int_bxor"] = bits
-        with pytest.raises(InvalidTypeError, match="BAND of float32 tensors is refused"):
-            engine.all_reduce(inputs[r].clone(), Op.BAND)  # refused before torch's backend is called
-        b = inputs[r].clone()
-        engine.broadcast(b, 1)
-        out["broadcast"] = b
-        gathered = [torch.zeros(3), torch.zeros(3)]
-        engine.all_gather(gathered, inputs[r])
-        out["all_gather"] = torch.stack(gathered)
-        # uneven splits: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3 to 0, 0 to itself
-        src = torch.arange(3.0) + 10 * r
-        dst = torch.zeros(4 if r == 0 else 2)
-        splits_in = [1, 2] if r == 0 else [3, 0]
-        splits_out = [1, 3] if r == 0 else [2, 0]
-        engine.all_to_all_single(dst, src, splits_out, splits_in)
-        out["all_to_all"] = dst
-        handle = engine.barrier(async_op=True)
-        out["barrier"] = handle.wait()
-        return out
-
-    results = _two_ranks(body)
-    expected = {
-        Op.SUM: inputs.sum(0), Op.AVERAGE: inputs.mean(0), Op.MIN: inputs.min(0).values,
-        Op.MAX: inputs.max(0).values, Op.PRODUCT: inputs.prod(0),
-    }
-    for r in range(2):
-        for op, value in expected.items():
-            assert torch.equal(results[r][op], value), (r, op)
-        assert results[r]["int_average"].tolist() == [10, 3]  # (7+14)//2, (2+4)//2
-        assert results[r]["int_bxor"].tolist() == [6 ^ 12, 3 ^ 6, -1 ^ -2]
-        assert torch.equal(results[r]["broadcast"], inputs[1])
-        assert torch.equal(results[r]["all_gather"], inputs)
-        assert results[r]["barrier"] is True
-    assert results[0]["all_to_all"].tolist() == [0.0, 10.0, 11.0, 12.0]
-    assert results[1]["all_to_all"].tolist() == [1.0, 2.0]

@@ -1,8 +1,14 @@
 """FSDP2 and every public ``torch.distributed`` collective on the smddp group, on every rank.
 
-Run by tests/torch/test_fsdp.py under mpirun -np 2/3 and plain python::
+Run by tests/torch/test_fsdp.py under mpirun -np 2/3 and plain python, and by
+tests/torch/test_delegated.py with ``SMDDP_BACKEND=torch-gloo`` (the delegated route: CPU tensors
+handed to torch's own gloo group, as a GPU job's device tensors are to torch's NCCL group)::
 
-    python tests/ranks/fsdp_checks.py collectives train CHECKPOINT_DIR
+    python tests/ranks/fsdp_checks.py collectives train CHECKPOINT_DIR [delegated]
+
+On the delegated route the same collectives must give the same values, through torch's backend
+object (none through smddp's engine), with torch's own refusals; ``delegated`` adds smddp's v1
+API, smddp's DDP class and the absence of the engine's threads on that route.
 
 Each rank builds the inputs of *all* ranks from seeds, so it knows the exact answer without
 communicating; the FSDP runs are compared with single-process training on the whole batch,
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -38,6 +45,10 @@ if torch.cuda.is_available():
     torch.cuda.set_device(dist.get_local_rank() % torch.cuda.device_count())
 pg = tdist.distributed_c10d._get_default_group()
 engine = groups.current().engine
+#: The delegated route (SMDDP_BACKEND=torch-gloo): CPU tensors go to torch's own gloo object.
+DELEGATED = groups.current().delegate is not None
+#: Where smddp refuses an argument with its own error, torch's backend refuses with torch's.
+TORCHS_REFUSAL = (RuntimeError, ValueError)
 R = tdist.ReduceOp
 checklist = Checklist(rank)
 check = checklist.check
@@ -50,16 +61,19 @@ def same(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-6, a
                     f"want {want.flatten()[:6].tolist()} {tuple(want.shape)} {want.dtype}")
 
 
-def raises(name: str, error: type, call) -> None:
+def raises(name: str, error, call) -> None:
+    """``call()`` raises ``error`` (a type, or a tuple of them); on the delegated route, torch's refusal."""
+    error = TORCHS_REFUSAL if DELEGATED else error
+    what = " or ".join(e.__name__ for e in (error if isinstance(error, tuple) else (error,)))
     try:
         call()
     except error as exc:
         check(name, isinstance(exc, smddp.SMDDPError) or error is not smddp.SMDDPError, repr(exc))
         return
     except Exception as exc:  # noqa: BLE001 - reported as a failed check
-        check(name, False, f"raised {exc!r}, not {error.__name__}")
+        check(name, False, f"raised {exc!r}, not {what}")
         return
-    check(name, False, f"did not raise {error.__name__}")
+    check(name, False, f"did not raise {what}")
 
 
 def stack(shape, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
@@ -91,9 +105,16 @@ def collectives() -> None:
     """Every public collective, direct and functional, against local expectations."""
     # ---------------------------------------------------------------------------- path checks
     seq = engine.seq
-    tdist.all_reduce(torch.ones(3))
-    check("direct all_reduce takes smddp's communicator", engine.seq == seq + 1, f"seq {seq} -> {engine.seq}")
+    work = tdist.all_reduce(torch.ones(3), async_op=True)
+    work.wait()
     native = pg._get_backend(torch.device("cpu"))
+    if DELEGATED:
+        check("direct all_reduce takes torch's backend object, not smddp's engine",
+              engine.seq == seq and type(work).__module__.startswith("torch."), f"seq {seq} -> {engine.seq}, {work!r}")
+        check("the group's delegate is the gloo backend torch's C++ dispatch finds",
+              native is groups.current().delegate.backend, repr(native))
+    else:
+        check("direct all_reduce takes smddp's communicator", engine.seq == seq + 1, f"seq {seq} -> {engine.seq}")
     check("a torch-native gloo backend serves cpu", isinstance(native, tdist.ProcessGroupGloo), repr(native))
     check("group name", pg.group_name == tdist.distributed_c10d._get_process_group_name(pg), pg.group_name)
     check("backend name", tdist.get_backend(pg) == "smddp", tdist.get_backend(pg))
@@ -101,7 +122,10 @@ def collectives() -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     seq = engine.seq
     ddp(torch.randn(3, 4)).sum().backward()
-    check("DDP's reducer takes smddp's communicator", engine.seq > seq, f"seq {seq} -> {engine.seq}")
+    if DELEGATED:
+        check("DDP's reducer hands its buckets to torch's backend", engine.seq == seq, f"seq {seq} -> {engine.seq}")
+    else:
+        check("DDP's reducer takes smddp's communicator", engine.seq > seq, f"seq {seq} -> {engine.seq}")
 
     # ---------------------------------------------------------------------------- all_reduce
     for name, op in OPS.items():
@@ -191,7 +215,9 @@ def collectives() -> None:
     out = torch.empty(sum(recv_rows), 2)
     tdist.all_to_all_single(out, inp, recv_rows, send_rows)
     same("all_to_all_single uneven splits", out, torch.cat([blocks[(j, rank)] for j in range(size)]))
-    outs = [torch.empty(j + rank + 1, 2) for j in range(size)]
+    if DELEGATED:  # torch's gloo takes lists of equal tensors only (its own refusal otherwise)
+        blocks = {(i, j): stack((2, 2), salt=110 + i * size + j)[0] for i in range(size) for j in range(size)}
+    outs = [torch.empty_like(blocks[(j, rank)]) for j in range(size)]
     tdist.all_to_all(outs, [blocks[(rank, j)].clone() for j in range(size)])
     same("all_to_all lists", torch.cat(outs), torch.cat([blocks[(j, rank)] for j in range(size)]))
 
@@ -335,8 +361,12 @@ def training(directory: Path) -> None:
         train(model, data, shard=True)
         same_state(f"fully_shard {'per layer and root' if per_layer else 'root only'} equals whole-batch training",
                    full_state(model), want)
-    check("FSDP2's all-gathers and reduce-scatters take smddp's communicator",
-          size == 1 or engine.seq > seq + 2 * STEPS, f"seq {seq} -> {engine.seq}")
+    if DELEGATED:
+        check("FSDP2's all-gathers and reduce-scatters take torch's backend", engine.seq == seq,
+              f"seq {seq} -> {engine.seq}")
+    else:
+        check("FSDP2's all-gathers and reduce-scatters take smddp's communicator",
+              size == 1 or engine.seq > seq + 2 * STEPS, f"seq {seq} -> {engine.seq}")
     # torch.compile over fully_shard (torchtitan's way): dynamo traces FSDP2's hooks and the
     # collectives they start; smddp's group methods run unseen, as C++ would
     torch.compiler.reset()
@@ -397,11 +427,76 @@ def cuda_training() -> None:
                {k: v.cpu() for k, v in full_state(model).items()}, want)
 
 
+def delegated() -> None:
+    """On the delegated route: smddp's v1 API and DDP class through torch's backend, and no engine thread."""
+    from smddp.comm.engine import Handle
+    from smddp.torch.parallel.distributed import DistributedDataParallel
+
+    seq = engine.seq
+    rows = stack((5,), salt=200)
+    t = rows[rank].clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVERAGE)
+    same("v1 all_reduce AVERAGE", t, reduced(rows, R.AVG), rtol=1e-5)
+    t = rows[rank].clone()
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    check("v1 asynchronous all_reduce returns torch's Work", not isinstance(work, Handle) and work.wait() is True,
+          repr(work))
+    same("v1 all_reduce MAX", t, reduced(rows, R.MAX))
+    t = rows[rank].clone()
+    dist.broadcast(t, src=size - 1)
+    same("v1 broadcast", t, rows[size - 1])
+    outs = [torch.empty(5) for _ in range(size)]
+    dist.all_gather(outs, rows[rank])
+    same("v1 all_gather", torch.stack(outs), rows)
+    send_rows = [rank + j + 1 for j in range(size)]
+    recv_rows = [j + rank + 1 for j in range(size)]
+    blocks = {(i, j): stack((i + j + 1, 2), salt=210 + i * size + j)[0] for i in range(size) for j in range(size)}
+    out = torch.empty(sum(recv_rows), 2)
+    dist.all_to_all_single(out, torch.cat([blocks[(rank, j)] for j in range(size)]), recv_rows, send_rows)
+    same("v1 all_to_all_single uneven splits", out, torch.cat([blocks[(j, rank)] for j in range(size)]))
+    dist.barrier()
+    raises("v1 broadcast from a rank out of range is refused before anything is sent", smddp.InvalidArgumentError,
+           lambda: dist.broadcast(torch.ones(2), src=size))
+    check("the v1 API reaches torch's backend, not smddp's engine", engine.seq == seq, f"seq {seq} -> {engine.seq}")
+    check("get_backend() names the delegated route", dist.get_backend() == "torch-gloo", dist.get_backend())
+
+    # smddp's DDP class: each rank's shard, gradients averaged by torch's gloo, equals one process on the batch
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches()
+    reference = copy.deepcopy(initial)
+    train(reference, data, shard=False)
+    model = DistributedDataParallel(copy.deepcopy(initial))
+    train(model, data, shard=True)
+    same_state("smddp's DDP class on torch's backend equals whole-batch training",
+               {k: v.detach() for k, v in model.module.state_dict().items()},
+               {k: v.detach() for k, v in reference.state_dict().items()})
+    check("smddp's DDP class takes torch's backend", engine.seq == seq, f"seq {seq} -> {engine.seq}")
+    # a subgroup: its own torch backend object, over the subgroup's store
+    from smddp.torch.delegating_group import DelegatingProcessGroup
+
+    members = [r for r in range(size) if r % 2 == 0]
+    evens = tdist.new_group(members, backend="smddp")
+    if rank in members:
+        sub_rows = stack((3,), salt=220)[members]
+        t = sub_rows[members.index(rank)].clone()
+        tdist.all_reduce(t, group=evens)
+        same("a subgroup's all_reduce", t, sub_rows.sum(0), rtol=1e-5)
+        check("a subgroup delegates through a torch backend of its own",
+              isinstance(evens, DelegatingProcessGroup) and evens.delegate.backend is not groups.current().delegate.backend
+              and evens.delegate.backend.size() == len(members), repr(evens))
+        tdist.destroy_process_group(evens)
+    started = sorted(t.name for t in threading.enumerate() if t.name.startswith(("smddp-progress", "smddp-completion")))
+    check("no progress or completion thread of smddp's engine ran on the delegated route", not started, str(started))
+
+
 parts = sys.argv[1:] or ["collectives"]
 if "collectives" in parts:
     collectives()
 if "train" in parts:
     training(Path(parts[parts.index("train") + 1]))
+if "delegated" in parts:
+    delegated()
 if "cuda" in parts:
     cuda_training()
 

@@ -143,9 +143,9 @@ class _StandInNCCL:
         pass
 
 
-class _TorchNCCL(_StandInNCCL):
-    name = "torch-nccl"
-    subgroup = None  # torch-nccl has no subgroup of its own
+class _NoSubgroups(_StandInNCCL):
+    name = "device-standin"
+    subgroup = None  # a device communicator with no subgroup of its own
 
 
 def _group_ctx(ranks):
@@ -162,11 +162,11 @@ def test_nccl_subgroup_is_made_by_the_parents_subgroup_with_the_groups_context()
 
 
 @pytest.mark.unit
-def test_a_group_of_one_is_local_and_torch_nccl_cannot_make_subgroups():
+def test_a_group_of_one_is_local_and_a_device_communicator_without_subgroups_is_refused_by_name():
     parent = _StandInNCCL(None)
     assert isinstance(subgroup_communicators({"cuda": parent}, [5], _group_ctx([5]))["cuda"], LocalCommunicator)
-    with pytest.raises(BackendUnavailableError, match="'torch-nccl' backend cannot make subgroups"):
-        subgroup_communicators({"cuda": _TorchNCCL(None)}, [1, 5], _group_ctx([1, 5]))
+    with pytest.raises(BackendUnavailableError, match="'device-standin' backend cannot make subgroups"):
+        subgroup_communicators({"cuda": _NoSubgroups(None)}, [1, 5], _group_ctx([1, 5]))
 
 
 @pytest.mark.unit

@@ -51,3 +51,13 @@ def gloo_group(store, rank: int, size: int, timeout: timedelta, one_host: bool, 
         threads: gloo's worker threads (None: torch's default).
     """
     return tdist.ProcessGroupGloo(store, rank, size, _compat.gloo_options(devices(one_host, lazy), timeout, threads))
+
+
+def lazy_gloo_group(store, rank: int, size: int, timeout: timedelta, one_host: bool):
+    """A ``ProcessGroupGloo`` as :func:`gloo_group` makes it, connecting its peers on first use where
+    this torch can (so a group whose backend is never used opens no connection), with torch's two
+    worker threads."""
+    try:
+        return gloo_group(store, rank, size, timeout, one_host, lazy=True, threads=2)
+    except (AttributeError, TypeError):  # a torch without lazy gloo: connect now
+        return gloo_group(store, rank, size, timeout, one_host)

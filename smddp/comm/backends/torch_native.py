@@ -1,268 +1,174 @@
-"""torch's own device backends behind smddp's interface: ``torch-nccl``, ``xccl``, ``ccl``.
+"""torch's own backend objects, to which a group hands its device's tensors as they come: the delegated route.
 
-- ``torch-nccl``: torch's ``ProcessGroupNCCL`` on CUDA tensors. For comparison with smddp's
-  ``nccl`` (CuPy), and the automatic choice on CUDA when CuPy is not installed.
-- ``xccl``: Intel GPUs. torch's native ``ProcessGroupXCCL`` (torch >= 2.8 XPU builds) when
-  ``torch.distributed.is_xccl_available()``, else Intel's ``oneccl_bindings_for_pytorch``.
-- ``ccl``: Intel's ``oneccl_bindings_for_pytorch`` only; it moves XPU and CPU tensors.
+On GPUs smddp's process group gives device tensors straight to torch's backend object
+(:mod:`smddp.torch.delegating_group`), with torch's options as given, and returns torch's ``Work``
+as it is: no engine, Handle, Pending or thread of smddp's on that route. torch's group, tested on
+many GPUs by torch's own CI, keeps the stream and lifetime rules of a device collective (its own
+stream per group, tensors stashed until ``wait()``, a CUDA-aware future, the watchdog). smddp adds
+what surrounds it: the smdistributed API, the launchers, SageMaker, the CPU planes for CPU tensors.
 
-Each is created from the job's store (under its own key prefix) and wrapped so its torch
-``Work`` becomes a :class:`~smddp.comm.base.Pending`. NCCL and XCCL Work is stream-ordered:
-``Work.wait()`` makes the caller's current stream wait for the collective without blocking
-the host, so ``test()`` calls it and returns True. oneCCL's Work is polled with
-``is_completed()``.
+- ``torch-nccl``: torch's ``ProcessGroupNCCL`` on CUDA tensors; the default on CUDA.
+- ``xccl``: Intel GPUs: torch's ``ProcessGroupXCCL`` (XPU builds of torch >= 2.8), else Intel's
+  ``oneccl_bindings_for_pytorch``; ``ccl``: the bindings only (XPU tensors, or CPU ones where
+  torch sees no XPU).
+- ``torch-gloo``: torch's ``ProcessGroupGloo`` on CPU tensors: the same route on a CPU, which the
+  suite runs on every CI run, and a reference to compare smddp's CPU planes with.
+
+:func:`create` makes a group's object: its device (as torch's NCCL group picks it), from the
+group's store, named with the group's name and global ranks as torch's own groups are; a
+subgroup's NCCL communicator is split from the world's where torch would split it.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, ClassVar, Dict, Optional, Sequence
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
 
-from smddp import _compat
-from smddp.comm.backends.c10d_work import WorkPending
-from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.backends.nccl.bindings import CONVERTED, check_op
-from smddp.comm.base import Communicator, Context, Op, Pending, average
+from smddp import _compat, knobs
+from smddp.comm.backends.devices import pick_device
+from smddp.comm.backends.gloo_group import lazy_gloo_group
+from smddp.comm.base import Context
 from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError
 
-_REDUCE_OPS = {
-    Op.SUM: tdist.ReduceOp.SUM,
-    Op.AVERAGE: tdist.ReduceOp.AVG,
-    Op.MIN: tdist.ReduceOp.MIN,
-    Op.MAX: tdist.ReduceOp.MAX,
-    Op.PRODUCT: tdist.ReduceOp.PRODUCT,
-    Op.BAND: tdist.ReduceOp.BAND,
-    Op.BOR: tdist.ReduceOp.BOR,
-    Op.BXOR: tdist.ReduceOp.BXOR,
-}
+__all__ = ["DEVICES", "Delegate", "ccl_backend", "create", "xccl_available"]
 
-class TorchBackendCommunicator(Communicator):
-    """Collectives through a torch c10d backend object (``allreduce``, ``broadcast``, ...).
+#: Each delegating backend's device type: the tensors it hands to torch's backend object.
+DEVICES: Dict[str, str] = {"torch-nccl": "cuda", "xccl": "xpu", "ccl": "xpu", "torch-gloo": "cpu"}
 
-    Subclasses create the backend in :meth:`_create`.
+#: The store prefix of a group's torch-native backend for each device type (one object per device
+#: and group: the delegate, which also serves torch's functional collectives).
+STORE_PREFIX = "smddp/native/{}/"
+
+
+@dataclass(frozen=True)
+class Delegate:
+    """torch's backend object that a group hands its ``device_type`` tensors to.
 
     Attributes:
-        device: this rank's device.
-        backend: the torch backend object.
+        device_type: ``"cuda"``, ``"xpu"`` or ``"cpu"``.
+        backend: the c10d ``Backend`` (``ProcessGroupNCCL``, ...), or torch's ``ProcessGroupWrapper``
+            around it under ``SMDDP_DEBUG``.
+        kind: its ``ProcessGroup.BackendType`` name (``"NCCL"``, ``"XCCL"``, ``"GLOO"``, ``"CUSTOM"``).
+        device: this rank's device (``cpu`` for ``torch-gloo``).
+        name: the smddp backend it serves (``"torch-nccl"``, ...).
+        inner: the backend itself (``backend`` without torch's wrapper): what a subgroup splits from.
     """
 
-    device_type: ClassVar[str] = "cpu"
-    #: The backend reduces AVERAGE itself (``ReduceOp.AVG``); otherwise SUM, then divide.
-    native_average: ClassVar[bool] = False
-    #: ``Work.wait()`` orders the current stream without blocking the host.
-    stream_ordered: ClassVar[bool] = False
-
-    def __init__(self, ctx: Context, backend: Any = None, device: Optional[torch.device] = None):
-        """Create the backend for this rank's device.
-
-        Args:
-            ctx: the job's context.
-            backend: an existing torch backend object to use (tests); default :meth:`_create`.
-            device: its device (with ``backend``).
-
-        Raises:
-            BackendUnavailableError: the device or library is missing (says what to install).
-        """
-        super().__init__(ctx)
-        #: torch makes a group's NCCL communicator at first use, eagerly only for a device_id.
-        self.eager = ctx.device is not None
-        if backend is None:
-            self.device = self._pick_device(ctx)
-            store = ctx.store
-            if store is None:
-                if self.size > 1:
-                    raise BackendUnavailableError(f"the {self.name!r} backend needs the job's store (MASTER_ADDR)")
-                store = tdist.HashStore()
-            # The group's store is the group's own: one communicator of this name per group.
-            prefixed = tdist.PrefixStore(f"smddp/{self.name}", store)
-            backend = self._create(prefixed, ctx.timeout)
-        else:
-            self.device = device if device is not None else torch.device(self.device_type)
-        self.backend = backend
-
-    def _pick_device(self, ctx: Context) -> torch.device:
-        return pick_device(ctx, self.device_type)
-
-    def _create(self, store, timeout: timedelta):
-        raise NotImplementedError
-
-    def _check(self, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
-            if tensor.device.type == self.device_type:
-                check_device(tensor, self.device, self.name)
-
-    @staticmethod
-    def _capturing() -> bool:
-        """True while the calling thread captures a graph on the device (CUDA: see TorchNCCLCommunicator)."""
-        return False
-
-    def _pending(self, work) -> WorkPending:
-        return WorkPending(work, self.stream_ordered, captured=self.stream_ordered and self._capturing())
-
-    # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
-        self._check(tensor)
-        self.check_reduction(tensor.dtype, op)
-        opts = _compat.AllreduceOptions()
-        divide = op is Op.AVERAGE and not self.native_average
-        opts.reduceOp = _REDUCE_OPS[Op.SUM if divide else op]
-        work = self.backend.allreduce([tensor], opts)
-        if not divide:
-            return self._pending(work)
-        if self.stream_ordered:
-            # Order the division on the caller's stream now, not in whichever thread tests.
-            work.wait()
-            average(tensor, self.size)
-            return WorkPending(None, True)
-        return WorkPending(work, False, lambda: average(tensor, self.size))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        self._check(tensor)
-        opts = _compat.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        return self._pending(self.backend.broadcast([tensor], opts))
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
-        self._check(output, input)
-        gather_base = getattr(self.backend, "_allgather_base", None)
-        if gather_base is not None:
-            work = gather_base(output, input, _compat.AllgatherOptions())
-        else:
-            work = self.backend.allgather([list(output.chunk(self.size))], [input], _compat.AllgatherOptions())
-        return self._pending(work)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_counts: Sequence[int],
-        input_counts: Sequence[int],
-        tag: int,
-    ) -> Pending:
-        self._check(output, input)
-        work = self.backend.alltoall_base(
-            output, input, [int(c) for c in output_counts], [int(c) for c in input_counts], _compat.AllToAllOptions()
-        )
-        return self._pending(work)
-
-    def barrier(self, tag: int) -> Pending:
-        opts = _compat.BarrierOptions()
-        if self.device.type != "cpu" and self.device.index is not None:
-            opts.device_ids = [self.device.index]
-        # A barrier means every rank arrived: poll it, whatever the backend's streams.
-        return WorkPending(self.backend.barrier(opts), False)
-
-    def close(self) -> None:
-        """Shut the torch backend down (``shutdown()`` where torch has it)."""
-        backend, self.backend = self.backend, None
-        shutdown = getattr(backend, "shutdown", None) if backend is not None else None
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - best effort at teardown; nothing to report to
-                pass
+    device_type: str
+    backend: Any
+    kind: str
+    device: torch.device
+    name: str
+    inner: Any
 
 
-class TorchNCCLCommunicator(TorchBackendCommunicator):
-    """torch's ``ProcessGroupNCCL`` on CUDA tensors (backend ``torch-nccl``)."""
+def create(name: str, ctx: Context, group_name: str = "", ranks: Optional[Sequence[int]] = None,
+           parent: Optional[Delegate] = None) -> Delegate:
+    """torch's backend object for backend ``name`` in the group of ``ctx``.
 
-    name = "torch-nccl"
-    # torch's NCCL group sends bool as uint8, complex as its real view, and float8 as bytes.
-    dtypes = Communicator.dtypes | CONVERTED
-    device_types = ("cuda",)
-    device_type = "cuda"
-    native_average = True
-    stream_ordered = True
-    _capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+    Called by the group's members, after the group's CPU communicator (whose layout gives the
+    local rank that picks the device where no launcher counted one, and says whether every rank
+    is on this host).
 
-    @classmethod
-    def build(cls, ctx: Context) -> Dict[str, Communicator]:
-        """This communicator for CUDA tensors and a CPU communicator for CPU ones."""
-        return with_cpu_companion("cuda", cls, ctx)
+    Args:
+        name: a key of :data:`DEVICES`.
+        ctx: the group's context (topology, timeout, the group's store, ``device_id``).
+        group_name: the group's name as torch registered it.
+        ranks: the group's global ranks (None: the world).
+        parent: the world's delegate, for a subgroup: torch's NCCL group splits the subgroup's
+            communicator from it where the world's is bound to a device (``device_id``), as
+            torch's ``new_group`` does (the non-members' side of the split is torch's own call).
 
-    def check_reduction(self, dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
-        """NCCL's refusals by name (the bitwise reductions), not torch's ValueError from the call."""
-        check_op(op, what)
-        super().check_reduction(dtype, op, what)
-
-    def _pick_device(self, ctx: Context) -> torch.device:
-        if not torch.cuda.is_available():
-            raise BackendUnavailableError(
-                f"the 'torch-nccl' backend needs a CUDA GPU and torch {torch.__version__} sees none; "
-                f"install {TORCH_CUDA_INSTALL}"
-            )
-        if not tdist.is_nccl_available():
-            raise BackendUnavailableError(f"this torch build has no NCCL; install {TORCH_CUDA_INSTALL}")
-        device = pick_device(ctx, "cuda")
-        torch.cuda.set_device(device)
-        return device
-
-    def _create(self, store, timeout: timedelta):
-        backend = _compat.nccl_backend(store, self.rank, self.size, timeout)
-        connect = getattr(backend, "eager_connect_single_device", None)
-        if connect is not None and self.eager:
-            # As torch's init_process_group(device_id=...): the NCCL communicator now, on this device.
-            connect(self.device)
-        return backend
-
-
-class XCCLCommunicator(TorchBackendCommunicator):
-    """Intel GPUs: torch's native XCCL, else oneCCL's bindings (backend ``xccl``)."""
-
-    name = "xccl"
-    device_types = ("xpu",)
-    device_type = "xpu"
-
-    @classmethod
-    def build(cls, ctx: Context) -> Dict[str, Communicator]:
-        """This communicator for XPU tensors and a CPU communicator for CPU ones."""
-        return with_cpu_companion("xpu", cls, ctx)
-
-    def _pick_device(self, ctx: Context) -> torch.device:
+    Raises:
+        BackendUnavailableError: the device or library is missing (the message says what to install).
+    """
+    topology = ctx.topology
+    store = ctx.store
+    if store is None:
+        if topology.size > 1:
+            raise BackendUnavailableError(f"the {name!r} backend needs the job's store (MASTER_ADDR)")
+        store = tdist.HashStore()
+    device_type = DEVICES[name]
+    if name == "torch-nccl":
+        device = _cuda_device(ctx)
+        prefixed = tdist.PrefixStore(STORE_PREFIX.format("cuda"), store)
+        split = parent.inner if parent is not None and parent.kind == "NCCL" else None
+        with _nccl_error_handling():
+            backend = _compat.nccl_backend(prefixed, topology.rank, topology.size, ctx.timeout, group_name,
+                                           ranks, split)
+        kind = "NCCL"
+    elif name == "torch-gloo":
+        device = torch.device("cpu")
+        one_host = ctx.layout.one_host if ctx.layout is not None else topology.size == 1
+        backend = lazy_gloo_group(tdist.PrefixStore(STORE_PREFIX.format("cpu"), store), topology.rank,
+                                  topology.size, ctx.timeout, one_host)
+        _compat.name_backend(backend, group_name, topology.size, ranks)
+        kind = "GLOO"
+    else:
+        prefixed = tdist.PrefixStore(STORE_PREFIX.format(device_type), store)
         xpu = getattr(torch, "xpu", None)
-        if xpu is None or not xpu.is_available():
-            raise BackendUnavailableError(
-                f"the {self.name!r} backend needs an Intel GPU and torch {torch.__version__} sees none; "
-                f"install {XPU_INSTALL}"
-            )
-        device = pick_device(ctx, "xpu")
-        xpu.set_device(device)
-        return device
+        if name == "ccl" and (xpu is None or not xpu.is_available()):
+            device_type, device = "cpu", torch.device("cpu")  # oneCCL moves CPU tensors too
+        else:
+            device = _xpu_device(ctx, name)
+        if name == "xccl" and xccl_available():
+            backend = _compat.xccl_backend(prefixed, topology.rank, topology.size, ctx.timeout, group_name, ranks)
+            kind = "XCCL"
+        else:
+            backend, kind = ccl_backend(prefixed, topology.rank, topology.size, ctx.timeout), "CUSTOM"
+    _compat.set_sequence_number(backend)
+    called = backend
+    if knobs.value("SMDDP_DEBUG"):
+        # smddp's cross-rank checks on this route are torch's own: TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper.
+        called = _compat.debug_wrapper(backend, tdist.PrefixStore("smddp/debug/", store), group_name or "world",
+                                       topology.rank, topology.size, ctx.timeout)
+    return Delegate(device_type, called, kind, device, name, backend)
 
-    def _create(self, store, timeout: timedelta):
-        if not xccl_available():
-            self.stream_ordered = False  # oneCCL's bindings: poll their Work
-            return ccl_backend(store, self.rank, self.size, timeout)
-        self.stream_ordered = True
-        return _compat.xccl_backend(store, self.rank, self.size, timeout)
+
+@contextlib.contextmanager
+def _nccl_error_handling():
+    """``SMDDP_NCCL_ASYNC_ERROR_HANDLING`` as torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which
+    ``ProcessGroupNCCL`` reads as it is made (torch's own setting wins where both are set)."""
+    mode = knobs.value("SMDDP_NCCL_ASYNC_ERROR_HANDLING")
+    given = mode is not None and not os.environ.get(_TORCH_ERROR_HANDLING)
+    if given:
+        os.environ[_TORCH_ERROR_HANDLING] = str(mode)
+    try:
+        yield
+    finally:
+        if given:
+            os.environ.pop(_TORCH_ERROR_HANDLING, None)
 
 
-class CCLCommunicator(XCCLCommunicator):
-    """Intel's ``oneccl_bindings_for_pytorch`` on XPU and CPU tensors (backend ``ccl``)."""
+_TORCH_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
-    name = "ccl"
-    device_types = ("xpu", "cpu")
 
-    @classmethod
-    def build(cls, ctx: Context) -> Dict[str, Communicator]:
-        """One communicator for both XPU and CPU tensors."""
-        comm = cls(ctx)
-        return {"xpu": comm, "cpu": comm}
+def _cuda_device(ctx: Context) -> torch.device:
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            f"the 'torch-nccl' backend needs a CUDA GPU and torch {torch.__version__} sees none; "
+            f"install {TORCH_CUDA_INSTALL}")
+    if not tdist.is_nccl_available():
+        raise BackendUnavailableError(f"this torch build has no NCCL; install {TORCH_CUDA_INSTALL}")
+    device = pick_device(ctx, "cuda")
+    torch.cuda.set_device(device)
+    return device
 
-    def _pick_device(self, ctx: Context) -> torch.device:
-        xpu = getattr(torch, "xpu", None)
-        if xpu is None or not xpu.is_available():
-            return torch.device("cpu")  # oneCCL moves CPU tensors too
-        return super()._pick_device(ctx)
 
-    def _create(self, store, timeout: timedelta):
-        self.stream_ordered = False
-        return ccl_backend(store, self.rank, self.size, timeout)
+def _xpu_device(ctx: Context, name: str) -> torch.device:
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not xpu.is_available():
+        raise BackendUnavailableError(
+            f"the {name!r} backend needs an Intel GPU and torch {torch.__version__} sees none; install {XPU_INSTALL}")
+    device = pick_device(ctx, "xpu")
+    xpu.set_device(device)
+    return device
 
 
 def xccl_available() -> bool:
@@ -271,7 +177,7 @@ def xccl_available() -> bool:
     return bool(available and available())
 
 
-def ccl_backend(store, rank: int, size: int, timeout: timedelta):
+def ccl_backend(store, rank: int, size: int, timeout):
     """A oneCCL backend object from Intel's ``oneccl_bindings_for_pytorch``.
 
     Importing the bindings registers torch backend ``"ccl"``; its creator is called here.

@@ -161,7 +161,7 @@ class DistributedDataParallel(_TorchDDP):
         # wrapping replaces it (torch's reducer takes one hook, once). torch's reducer in Python
         # (compiled autograd's "python_reducer") calls hooks per parameter: it keeps its own path.
         self._smddp_hook = "pending" if (
-            _hook.completes_inline(pg.engine, self.module) and not self._comm_hooks
+            pg.delegate is None and _hook.completes_inline(pg.engine, self.module) and not self._comm_hooks
             and not getattr(self, "_use_python_reducer", False)) else "off"
         self._smddp_hook_state = _HookState(pg.engine)
 

@@ -10,7 +10,6 @@ done. Deadlines and failures: tests/comm/backends/nccl/test_failures.py.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import types
 from datetime import timedelta
@@ -23,7 +22,6 @@ from nccl_standin import install
 
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl.communicator import NCCL_2_10
-from smddp.comm.backends.torch_native import TorchNCCLCommunicator
 from smddp.comm.base import ARITHMETIC, Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.engine.handle import _cpp_future
@@ -447,30 +445,3 @@ def test_device_id_is_read_where_torch_creates_the_group():
     assert helper(torch.device("cuda", 3), _compat.requested_device_id) == torch.device("cuda", 3)
     assert helper(None, _compat.requested_device_id) is None
     assert _compat.requested_device_id() is None  # not inside torch's group creation
-
-
-@pytest.mark.unit
-def test_torch_nccl_connects_at_first_use_unless_given_a_device_id(monkeypatch):
-    """As torch: a ProcessGroupNCCL makes its communicator at first use; eagerly only for device_id."""
-    connected = []
-
-    class ProcessGroupNCCL:
-        class Options:
-            pass
-
-        def __init__(self, store, rank, size, options):
-            pass
-
-        def eager_connect_single_device(self, device):
-            connected.append(device)
-
-    monkeypatch.setattr(tdist, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(tdist, "is_nccl_available", lambda: True)
-    ctx = Context(Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none"), timedelta(seconds=5))
-    TorchNCCLCommunicator(ctx)
-    assert connected == []
-    TorchNCCLCommunicator(dataclasses.replace(ctx, device=torch.device("cuda", 2)))
-    assert connected == [torch.device("cuda", 2)]

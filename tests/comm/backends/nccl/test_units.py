@@ -20,7 +20,6 @@ import torch
 import torch.distributed as tdist
 from fake_cupy import X86_ID, fake_cupy
 
-from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl.bindings import CONVERTED
 from smddp.comm.backends.nccl.communicator import (
     NCCL_2_10,
@@ -33,9 +32,7 @@ from smddp.comm.backends.nccl.communicator import (
     stream_mode,
 )
 from smddp.comm.backends.nccl.unique_id import encode
-from smddp.comm.backends.torch_native import TorchNCCLCommunicator
-from smddp.comm.base import Context, Op
-from smddp.comm.engine import Engine
+from smddp.comm.base import Op
 from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError
 from smddp.job.topology import Topology
 
@@ -93,36 +90,6 @@ def test_op_table_uses_nccl_avg_from_nccl_2_10():
     assert nccl_ops(fake, 22703)[Op.AVERAGE] == 4
     assert nccl_ops(fake, 2804)[Op.AVERAGE] is None  # NCCL 2.8.4: sum, then divide
 
-
-def test_torch_nccl_refuses_the_bitwise_reductions_by_name_before_torch_is_called():
-    """torch's NCCL group raises ``ValueError: Cannot use ReduceOp.BAND with NCCL`` from the call;
-    ``torch-nccl`` refuses first, by the op's name, on each path: its all_reduce, and the
-    reduce-scatters the engine derives from its all_to_all (a tensor, a list)."""
-    calls = []
-
-    class Recording:  # torch's backend, as far as anything reaches it
-        def allreduce(self, tensors, opts):
-            calls.append("allreduce")
-
-        def alltoall_base(self, *args):
-            calls.append("alltoall_base")
-
-    ctx = Context(ONE, timedelta(seconds=5))
-    comm = TorchNCCLCommunicator(ctx, backend=Recording(), device=torch.device("cpu"))
-    engine = Engine({"cpu": comm}, timeout=5)  # the CPU tensors of this test go to it
-    try:
-        for op in (Op.BAND, Op.BOR, Op.BXOR):
-            refusal = f"{op.name} is refused on NCCL, as by torch's NCCL group"
-            with pytest.raises(InvalidArgumentError, match=refusal):
-                engine.all_reduce(torch.ones(3, dtype=torch.int32), op)
-            ints = torch.ones(3, dtype=torch.int64)
-            with pytest.raises(InvalidArgumentError, match=refusal):
-                derived.reduce_scatter_tensor(engine, ints, ints.clone(), op)
-            with pytest.raises(InvalidArgumentError, match=refusal):
-                derived.reduce_scatter(engine, torch.ones(3, dtype=torch.bool), [torch.ones(3, dtype=torch.bool)], op)
-        assert calls == []
-    finally:
-        engine.close()
 
 
 # ---------------------------------------------------------------------------- unique id
