@@ -222,7 +222,8 @@ def _backends(child: Dict[str, Any], env) -> Dict[str, Any]:
             choices[label] = comm.choose_backend(None, env, topology, found)
         except Exception as exc:  # noqa: BLE001 - a bad SMDDP_BACKEND is worth reporting
             choices[label] = f"error: {exc}"
-    return {"registry": rows, "auto": choices, "SMDDP_BACKEND": knobs.value("SMDDP_BACKEND", env),
+    # The text as set: a value the parser refuses is reported (its error is each choice's), not raised.
+    return {"registry": rows, "auto": choices, "SMDDP_BACKEND": knobs.set_knobs(env).get("SMDDP_BACKEND"),
             "probe": {k: getattr(found, k) for k in ("cuda", "xpu", "mpi4py", "cupy", "xccl", "ccl")}}
 
 

@@ -30,6 +30,8 @@ import os
 import re
 from typing import List, Mapping, MutableMapping, Optional, Sequence
 
+from smddp.job import excepthook
+
 #: The variable Open MPI reads its ``btl`` setting from (``mpirun --mca btl X`` sets it in the ranks).
 BTL_ENV = "OMPI_MCA_btl"
 #: Where Open MPI's ``sm`` (``vader``) transport puts its segments unless told otherwise.
@@ -138,9 +140,16 @@ def one_host_defaults(env: Optional[MutableMapping[str, str]] = None) -> None:
     job's session directory instead (``OMPI_MCA_btl_sm_backing_directory``), unless the user
     chose where they go. Anywhere else (another MPI, a job across hosts) it changes nothing.
 
+    Every MPI that smddp starts comes through here, so this is also where smddp arms the one abort
+    path (:func:`smddp.job.excepthook.install`): once MPI runs, an exception that leaves set-up (or
+    anything after it) uncaught ends every rank with ``MPI_Abort``, where a plain exit would wait in
+    ``MPI_Finalize`` for ranks that wait for this one.
+
     Args:
         env: the environment MPI will read; ``os.environ`` by default.
     """
+    if env is None:  # this process's own MPI (a mapping given is only looked at)
+        excepthook.install()
     env = os.environ if env is None else env
     size, local_size = env.get("OMPI_COMM_WORLD_SIZE"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
     if not size or size != local_size:

@@ -55,11 +55,25 @@ def interface_address(name: str) -> str:
         try:
             packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
         except OSError as exc:
-            known = ", ".join(n for _, n in socket.if_nameindex())
-            why = "has no IPv4 address" if exc.errno == errno.EADDRNOTAVAIL else "is not an interface here"
-            raise InvalidArgumentError(
-                f"{IFNAME_ENV}={name!r} {why} (this host has: {known})") from None
+            raise _not_here(name, "has no IPv4 address" if exc.errno == errno.EADDRNOTAVAIL else "") from None
     return socket.inet_ntoa(packed[20:24])
+
+
+def check_interface(name: str) -> None:
+    """Raise unless this host has a network interface ``name`` (``SMDDP_SOCKET_IFNAME``'s value).
+
+    Raises:
+        InvalidArgumentError: it has none of that name (the error lists the ones it has).
+    """
+    if name not in {known for _, known in socket.if_nameindex()}:
+        raise _not_here(name, "")
+
+
+def _not_here(name: str, why: str) -> InvalidArgumentError:
+    known = ", ".join(n for _, n in socket.if_nameindex())
+    return InvalidArgumentError(
+        f"{IFNAME_ENV}={name} (environment) {why or 'is not an interface here'} (this host has: {known}): name "
+        f"one of them, or unset {IFNAME_ENV} (loopback on one host)")
 
 
 def is_loopback(host: Optional[str]) -> bool:
@@ -122,9 +136,12 @@ def listening_socket(address: str, port: int) -> socket.socket:
         sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
+        if port == 0:  # a free port, smddp's own choice: no variable of the user's to blame
+            raise InvalidArgumentError(f"the job's store cannot listen on {address} ({exc.strerror})") from None
         raise InvalidArgumentError(
-            f"the job's store cannot listen on {address}:{port} ({exc.strerror}): choose another "
-            f"MASTER_PORT, or unset it and let the launcher pick one") from None
+            f"MASTER_PORT={port}: the job's store cannot listen on {address}:{port} ({exc.strerror}; another "
+            f"job on this host may hold it): choose another MASTER_PORT, or unset it and let the launcher pick "
+            f"one") from None
     return sock
 
 
@@ -141,5 +158,6 @@ def gloo_binding(on_one_host: bool, env: Optional[Mapping[str, str]] = None) -> 
         return [("interface", n) for n in torch_names]
     name = interface(env)
     if name:
+        check_interface(name)  # named here, not as gloo's "Unable to find address for" from deep inside
         return [("interface", name)]
     return [("hostname", LOOPBACK)] if on_one_host else []

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
+from smddp import knobs
 from smddp.errors import InvalidArgumentError
 
 #: Launchers that start processes through an MPI runtime (the ``mpi`` backend can run).
@@ -60,19 +61,57 @@ class Topology:
         return self.launcher in MPI_LAUNCHERS
 
 
-def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+#: Each launcher in words, for errors.
+_LAUNCHERS = {"torchrun": "torchrun", "smddprun": "smddprun", "openmpi": "Open MPI's mpirun",
+              "mpich": "MPICH's or Intel MPI's launcher", "pmix": "the PMIx launcher", "slurm": "Slurm's srun",
+              "sagemaker": "SageMaker"}
+#: Who sets each launcher's variables, for errors: ``WORLD_SIZE=0 (set by torchrun)``.
+_SETTERS = {**{key: f"set by {words}" for key, words in _LAUNCHERS.items()}, "environment": "environment"}
+#: A number of processes (a world, a host) and an index among them, as the launchers' variables hold them.
+_COUNT = knobs.Whole(1, 1 << 24)
+_INDEX = knobs.Whole(0, (1 << 24) - 1)
+#: A TCP port the other ranks can connect to.
+PORT = knobs.Whole(1, 65535)
+#: The variables each source gives rank, size, local rank and local size in (errors name them).
+_NAMES = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "pmix": ("PMIX_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+    "explicit": ("rank", "world_size", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "sagemaker": ("SM_CURRENT_HOST", "SM_HOSTS", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+}
+
+
+def _env_setter(env: Mapping[str, str]) -> str:
+    """Who set ``RANK``, ``WORLD_SIZE``, ``LOCAL_*`` and ``MASTER_*`` in this process, for errors."""
+    if _TORCHRUN_MARK in env:
+        return _SETTERS["torchrun"]
+    if LAUNCHER_PID_ENV in env:
+        return _SETTERS["smddprun"]
+    return _SETTERS["environment"]
+
+
+def _int(env: Mapping[str, str], *names: str, rule: knobs.Whole = _INDEX, source: str = "environment") -> Optional[int]:
+    """The first of ``names`` set in ``env``, read by smddp's one parser (:func:`smddp.knobs.read`).
+
+    Raises:
+        InvalidArgumentError: it is not a whole number within ``rule`` (the error names it and ``source``).
+    """
     for name in names:
         value = env.get(name)
         if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError as exc:
-                raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+            return knobs.read(name, value, rule, source, f"; {_WHAT_TO_DO}")
     return None
 
 
+_WHAT_TO_DO = "the launcher that set it, or whoever exported it by hand, must set it right (or unset it)"
+
+
 def _port(env: Mapping[str, str]) -> Optional[int]:
-    return _int(env, "MASTER_PORT")
+    return _int(env, "MASTER_PORT", rule=PORT, source=_env_setter(env))
 
 
 def _slurm_tasks_on_node(spec: str, node_id: int) -> Optional[int]:
@@ -115,50 +154,70 @@ def _launcher_topology(
     if "OMPI_COMM_WORLD_RANK" in env:
         # OMPI_COMM_WORLD_NODE_RANK is a rank among a node's processes, not the node's index:
         # the index is derived, exact for the usual by-slot placement.
-        r = _int(env, "OMPI_COMM_WORLD_RANK")
-        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
+        by = _SETTERS["openmpi"]
+        r = _int(env, "OMPI_COMM_WORLD_RANK", source=by)
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", rule=_COUNT, source=by) or 1
         return Topology(
-            r, _int(env, "OMPI_COMM_WORLD_SIZE") or 1, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+            r, _int(env, "OMPI_COMM_WORLD_SIZE", rule=_COUNT, source=by) or 1,
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", source=by) or 0,
             local_size, r // local_size, master_addr, master_port, "openmpi",
         )
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        r = _int(env, "PMI_RANK")
-        local_size = _int(env, "MPI_LOCALNRANKS") or 1
+        by = _SETTERS["mpich"]
+        r = _int(env, "PMI_RANK", source=by)
+        local_size = _int(env, "MPI_LOCALNRANKS", rule=_COUNT, source=by) or 1
         return Topology(
-            r, _int(env, "PMI_SIZE"), _int(env, "MPI_LOCALRANKID") or 0, local_size,
-            r // local_size, master_addr, master_port, "mpich",
+            r, _int(env, "PMI_SIZE", rule=_COUNT, source=by), _int(env, "MPI_LOCALRANKID", source=by) or 0,
+            local_size, r // local_size, master_addr, master_port, "mpich",
         )
     if "PMIX_RANK" in env:
         # PMIx exports no size; the MPI library has it. Slurm or the PMI size may say.
-        r = _int(env, "PMIX_RANK")
-        size = _int(env, "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or r + 1
-        local_size = _int(env, "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE") or 1
+        by = _SETTERS["pmix"]
+        r = _int(env, "PMIX_RANK", source=by)
+        size = _int(env, "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", rule=_COUNT, source=by) or r + 1
+        local_size = _int(env, "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE", rule=_COUNT, source=by) or 1
         return Topology(
-            r, size, _int(env, "MPI_LOCALRANKID", "SLURM_LOCALID") or 0, local_size,
-            _int(env, "SLURM_NODEID") or r // local_size, master_addr, master_port, "pmix",
+            r, size, _int(env, "MPI_LOCALRANKID", "SLURM_LOCALID", source=by) or 0, local_size,
+            _int(env, "SLURM_NODEID", source=by) or r // local_size, master_addr, master_port, "pmix",
         )
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         # SLURM_STEP_NUM_TASKS is set by srun only: a batch script's own shell is not a job.
-        r = _int(env, "SLURM_PROCID")
-        node = _int(env, "SLURM_NODEID") or 0
+        by = _SETTERS["slurm"]
+        r = _int(env, "SLURM_PROCID", source=by)
+        node = _int(env, "SLURM_NODEID", source=by) or 0
         local_size = _slurm_tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), node) or 1
         addr, port = _slurm_master(env)
         return Topology(
-            r, _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID") or 0, local_size,
-            node, master_addr or addr, master_port or port, "slurm",
+            r, _int(env, "SLURM_STEP_NUM_TASKS", rule=_COUNT, source=by), _int(env, "SLURM_LOCALID", source=by) or 0,
+            local_size, node, master_addr or addr, master_port or port, "slurm",
         )
     return None
 
 
 def _check_agrees(env: Mapping[str, str], topo: Topology) -> None:
     """A ``RANK``/``WORLD_SIZE`` set by hand must say what the launcher says."""
-    for name, value in (("RANK", topo.rank), ("WORLD_SIZE", topo.size)):
-        given = _int(env, name)
+    for name, value, rule in (("RANK", topo.rank, _INDEX), ("WORLD_SIZE", topo.size, _COUNT)):
+        given = _int(env, name, rule=rule)
         if given is not None and given != value:
             raise InvalidArgumentError(
-                f"{name}={given} contradicts the launcher ({topo.launcher}), which started this process as "
-                f"rank {topo.rank} of {topo.size} ({name}={value}); unset {name} or launch with {name}={value}"
+                f"{name}={given} (environment) contradicts the launcher ({_LAUNCHERS[topo.launcher]}), which "
+                f"started this process as rank {topo.rank} of {topo.size} ({name}={value}); unset {name} or "
+                f"launch with {name}={value}"
             )
+
+
+def _check_ranges(topo: Topology, source: str) -> None:
+    """The rank within the world and the local rank within the host, else an error naming the variables."""
+    rank, size, local_rank, local_size = _NAMES.get(topo.launcher, ("rank", "size", "local rank", "local size"))
+    if not 0 <= topo.rank < topo.size:
+        remedy = "pass both as the job has them" if topo.launcher == "explicit" else _WHAT_TO_DO
+        raise InvalidArgumentError(
+            f"{rank}={topo.rank} ({source}) is outside the world: {rank} takes a whole number from 0 to "
+            f"{topo.size - 1} ({size}={topo.size}); {remedy}")
+    if not 0 <= topo.local_rank < max(topo.local_size, 1):
+        raise InvalidArgumentError(
+            f"{local_rank}={topo.local_rank} ({source}) is outside its host: {local_rank} takes a whole number "
+            f"from 0 to {topo.local_size - 1} ({local_size}={topo.local_size}); {_WHAT_TO_DO}")
 
 
 def discover(
@@ -190,51 +249,53 @@ def discover(
         The :class:`Topology` of this process.
 
     Raises:
-        ValueError: a variable is not an integer, only one of ``rank``/``world_size`` was
-            given, or the rank is outside the world.
-        InvalidArgumentError: ``RANK`` or ``WORLD_SIZE`` was set by hand and contradicts the
-            MPI launcher or Slurm (the message names both values).
+        ValueError: only one of ``rank``/``world_size`` was given.
+        InvalidArgumentError: a variable is not a whole number in its range (a size of at least 1,
+            a rank from 0, a ``MASTER_PORT`` from 1 to 65535), the rank is outside the world or the
+            local rank outside its host (each error names the variable, its value and the launcher
+            that set it); or ``RANK`` or ``WORLD_SIZE`` was set by hand and contradicts the MPI
+            launcher or Slurm (the message names both values).
     """
     master_addr = env.get("MASTER_ADDR") or None
     master_port = _port(env)
     topo: Optional[Topology] = None
 
+    source = _env_setter(env)
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size, or neither")
     if rank is not None and world_size is not None:
-        local_size = _int(env, "LOCAL_WORLD_SIZE") or world_size
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgumentError(
+                f"world_size={world_size!r} (init_process_group's argument) is not a number of processes: "
+                f"world_size takes a whole number from 1")
+        local_size = _int(env, "LOCAL_WORLD_SIZE", rule=_COUNT, source=source) or world_size
         topo = Topology(
-            rank, world_size, _int(env, "LOCAL_RANK") or rank % local_size, local_size,
+            rank, world_size, _int(env, "LOCAL_RANK", source=source) or rank % local_size, local_size,
             rank // local_size, master_addr, master_port, "explicit",
         )
+        source = "init_process_group's argument"
     else:
         topo = _launcher_topology(env, master_addr, master_port)
         own = _TORCHRUN_MARK in env or LAUNCHER_PID_ENV in env  # torchrun / smddprun set RANK themselves
         if "RANK" in env and "WORLD_SIZE" in env and (topo is None or own):
-            size = _int(env, "WORLD_SIZE")
-            local_size = _int(env, "LOCAL_WORLD_SIZE") or size
-            r = _int(env, "RANK")
+            size = _int(env, "WORLD_SIZE", rule=_COUNT, source=source)
+            local_size = _int(env, "LOCAL_WORLD_SIZE", rule=_COUNT, source=source) or size
+            r = _int(env, "RANK", source=source)
             topo = Topology(
-                r, size, _int(env, "LOCAL_RANK") or 0, local_size,
-                _int(env, "GROUP_RANK") or r // local_size, master_addr, master_port, "torchrun",
+                r, size, _int(env, "LOCAL_RANK", source=source) or 0, local_size,
+                _int(env, "GROUP_RANK", source=source) or r // local_size, master_addr, master_port, "torchrun",
             )
         elif topo is not None:
             _check_agrees(env, topo)
+            source = _SETTERS[topo.launcher]
     if topo is None and "SM_HOSTS" in env and "SM_CURRENT_HOST" in env:
         hosts = json.loads(env["SM_HOSTS"])
         if len(hosts) > 1:
             node = hosts.index(env["SM_CURRENT_HOST"])
-            topo = Topology(
-                node, len(hosts), 0, 1, node, master_addr or hosts[0],
-                master_port or _int(env, "SM_MASTER_PORT") or 7777, "sagemaker",
-            )
+            port = master_port or _int(env, "SM_MASTER_PORT", rule=PORT, source=_SETTERS["sagemaker"]) or 7777
+            topo = Topology(node, len(hosts), 0, 1, node, master_addr or hosts[0], port, "sagemaker")
 
     if topo is None:
         topo = Topology(master_addr=master_addr, master_port=master_port)
-    if not 0 <= topo.rank < topo.size:
-        raise ValueError(f"rank {topo.rank} is outside a world of size {topo.size} ({topo.launcher})")
-    if not 0 <= topo.local_rank < max(topo.local_size, 1):
-        raise ValueError(
-            f"local rank {topo.local_rank} is outside a host of {topo.local_size} processes ({topo.launcher})"
-        )
+    _check_ranges(topo, _SETTERS["sagemaker"] if topo.launcher == "sagemaker" else source)
     return topo

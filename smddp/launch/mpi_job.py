@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import List, Mapping, Sequence
 
 from smddp.job.mca import one_host_btl, user_chose_btl
-from smddp.job.sockets import interface
+from smddp.job.sockets import check_interface, interface
 
 #: Signals passed on to mpirun (those that end or control a job).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -61,6 +61,9 @@ def network_args(mpi: MPI, one_host: bool, env: Mapping[str, str], user_args: Se
         one_host: every rank runs on this host.
         env: the environment mpirun starts with.
         user_args: the user's own mpirun arguments (``--mpi-args``).
+
+    Raises:
+        InvalidArgumentError: on one host, ``SMDDP_SOCKET_IFNAME`` names no interface of it.
     """
     if mpi.flavor != "openmpi":
         return []
@@ -69,7 +72,9 @@ def network_args(mpi: MPI, one_host: bool, env: Mapping[str, str], user_args: Se
         args += ["--mca", "btl", one_host_btl(mpi.major)]
     name = interface(env)
     if name:
-        if not one_host:
+        if one_host:
+            check_interface(name)  # named here, not as prterun's "No network interfaces were found"
+        else:
             args += ["--mca", "btl_tcp_if_include", name]
         args += ["--prtemca" if mpi.major >= 5 else "--mca", "oob_tcp_if_include", name]
     return args

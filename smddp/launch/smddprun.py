@@ -30,7 +30,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from smddp import knobs
 from smddp.errors import InvalidArgumentError, SMDDPError
 from smddp.job import runtime
-from smddp.job.topology import LAUNCHER_PID_ENV, first_slurm_host
+from smddp.job.topology import LAUNCHER_PID_ENV, PORT, first_slurm_host
 from smddp.launch.args import Options, parse_args
 from smddp.launch.local_job import LocalJob
 from smddp.launch.mpi_job import MPI, network_args, run_mpirun
@@ -133,7 +133,8 @@ def find_mpirun(env: Mapping[str, str]) -> Optional[str]:
     if explicit:
         found = shutil.which(explicit, path=env.get("PATH"))
         if found is None:
-            raise LaunchError(f"SMDDP_MPIRUN={explicit!r} is not an executable")
+            raise LaunchError(f"SMDDP_MPIRUN={explicit} (environment) is not an executable file here, nor one on "
+                              f"PATH: point it at Open MPI's or MPICH's mpirun, or unset it")
         return found
     scripts = sysconfig.get_path("scripts")
     beside = os.path.join(scripts, "mpirun") if scripts else None
@@ -219,11 +220,14 @@ def job_environment(opts: Options, env: Mapping[str, str], local: bool = False) 
         if first:
             out["MASTER_ADDR"] = first
     if out.get("MASTER_PORT"):
-        if local or out.get("MASTER_ADDR") in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn()):
-            try:
-                runtime.check_port_free(int(out["MASTER_PORT"]), "set")
-            except (ValueError, InvalidArgumentError) as exc:
-                raise LaunchError(str(exc)) from None
+        given = any(spec.startswith("MASTER_PORT=") for spec in opts.exports)
+        try:
+            port = knobs.read("MASTER_PORT", out["MASTER_PORT"], PORT, "smddprun -x" if given else "environment",
+                              "; or unset it, and smddprun picks a free one")
+            if local or out.get("MASTER_ADDR") in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn()):
+                runtime.check_port_free(port, "set")
+        except InvalidArgumentError as exc:
+            raise LaunchError(str(exc)) from None
     else:
         out["MASTER_PORT"] = str(free_port())
     if local or single_host(opts, env):
@@ -344,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if mpi is None:
             return _run_local(opts, env, explicit=opts.launcher == "local")
         cmd = mpirun_command(opts, mpi, env)
-    except LaunchError as exc:
+    except (LaunchError, InvalidArgumentError) as exc:
         print(f"smddprun: error: {exc}", file=sys.stderr)
         return 2
     if opts.dry_run:
@@ -352,7 +356,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
-    return run_mpirun(cmd, env)
+    try:
+        return run_mpirun(cmd, env)
+    except OSError as exc:  # it is there and executable, but the system cannot run it
+        explicit = knobs.value("SMDDP_MPIRUN", env)
+        what = f"SMDDP_MPIRUN={explicit} (environment), {cmd[0]}" if explicit else f"mpirun ({cmd[0]})"
+        print(f"smddprun: error: cannot run {what}: {exc.strerror or exc}; point SMDDP_MPIRUN at Open MPI's or "
+              f"MPICH's mpirun, or unset it", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

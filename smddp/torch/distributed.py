@@ -33,6 +33,7 @@ from smddp.errors import (
     InvalidTypeError,
     NotInitializedError,
 )
+from smddp.job import excepthook
 from smddp.job.topology import discover
 from smddp.torch import _repeated_init, groups, process_group
 
@@ -208,10 +209,15 @@ def init_process_group(*args, **kwargs) -> None:
         init_method, world_size, rank, store, group_name, pg_options, device_id: as in
             ``torch.distributed.init_process_group``, for scripts written for it.
 
+    Under an MPI launcher, a rank that fails here (or later) with an exception it does not catch
+    ends every rank of the job (``MPI_Abort``) instead of leaving them waiting for it.
+
     Raises:
         BackendUnavailableError: an unknown backend (the valid ones are listed), or one
             whose library is not installed (the pip extra is named).
-        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds; or, once
+        InvalidArgumentError: an ``SMDDP_*`` variable or a launcher's (``RANK``, ``WORLD_SIZE``,
+            ``MASTER_PORT`` ...) has a value outside what it takes (the error names it, its value,
+            where it came from and what is allowed; ``SMDDP_TIMEOUT`` above 0, or ``none``); or, once
             initialized, an argument asks for something the running group is not (the message
             names each one beside the group's value).
         TypeError: an argument torch's ``init_process_group`` does not have either.
@@ -229,6 +235,11 @@ def init_process_group(*args, **kwargs) -> None:
     if world is not None:
         _repeated_init.check(world, kwargs)
         return
+    if excepthook.mpi_running():
+        # The script started MPI and smddp joins it: from here a rank whose set-up fails ends the job
+        # (MPI_Abort), or the others would wait for it while it waits in MPI_Finalize. Where smddp
+        # starts MPI itself, it arms the same path then (smddp.job.mca.one_host_defaults).
+        excepthook.install()
     timeout = kwargs.get("timeout")
     if timeout is None:
         timeout = groups.resolve_timeout(_compat.default_timeout())

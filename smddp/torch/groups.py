@@ -80,7 +80,9 @@ def resolve_timeout(torch_timeout: timedelta) -> timedelta:
         ``torch_timeout`` is torch's default.
 
     Raises:
-        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds.
+        InvalidArgumentError: ``SMDDP_TIMEOUT`` is not a number of seconds above 0 (``none``: no
+            deadline, :data:`smddp.knobs.NO_DEADLINE_S`); 0 and negative numbers are refused, as
+            torch's stores would give up at once.
     """
     seconds = knobs.value("SMDDP_TIMEOUT")
     if seconds is not None and torch_timeout == _compat.default_timeout():

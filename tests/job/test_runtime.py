@@ -126,8 +126,8 @@ def test_mpirun_names_a_rank_that_contradicts_it():
     result = mpirun(2, ["-m", "smddp.alias", PROBE], timeout=60, mpi_args=["-x", "RANK=1"])
     assert result.returncode != 0, result.output
     # Rank 0 is told it is RANK=1; rank 1 agrees with the launcher and would run, but the job ends.
-    assert "RANK=1 contradicts the launcher (openmpi), which started this process as rank 0 of 2 (RANK=0)" in (
-        result.stderr), result.output
+    assert ("RANK=1 (environment) contradicts the launcher (Open MPI's mpirun), which started this process as rank 0 "
+            "of 2 (RANK=0)") in result.stderr, result.output
 
 
 @pytest.fixture

@@ -89,15 +89,47 @@ def test_explicit_needs_both(kwargs):
         discover({}, **kwargs)
 
 
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+SMDDPRUN = {"SMDDP_LAUNCHER_PID": "7"}
+
+
 @pytest.mark.parametrize("env,match", [
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "outside"),
+    # Issue 53: each launcher variable named with its value, who set it, and what it takes.
+    ({"RANK": "x", "WORLD_SIZE": "2"}, r"^RANK=x \(environment\) is not a whole number: RANK takes a whole number "
+                                       r"from 0"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, r"^RANK=2 \(environment\) is outside the world: RANK takes a whole number "
+                                       r"from 0 to 1 \(WORLD_SIZE=2\)"),
+    ({"RANK": "0", "WORLD_SIZE": "0", **TORCHRUN}, r"^WORLD_SIZE=0 \(set by torchrun\) is below 1: WORLD_SIZE takes "
+                                                   r"a whole number from 1"),
+    ({"RANK": "-1", "WORLD_SIZE": "2", **SMDDPRUN}, r"^RANK=-1 \(set by smddprun\) is below 0"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2", **TORCHRUN},
+     r"^LOCAL_RANK=5 \(set by torchrun\) is outside its host: LOCAL_RANK takes a whole number from 0 to 1 "
+     r"\(LOCAL_WORLD_SIZE=2\)"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "-2", **TORCHRUN},
+     r"^LOCAL_WORLD_SIZE=-2 \(set by torchrun\)"),
+    ({"RANK": "0", "WORLD_SIZE": "2", **SMDDPRUN, "MASTER_PORT": "http"},
+     r"^MASTER_PORT=http \(set by smddprun\) is not a whole number: MASTER_PORT takes a whole number from 1 to 65535"),
+    ({"MASTER_PORT": "70000"}, r"^MASTER_PORT=70000 \(environment\) is above 65535"),
+    ({"MASTER_PORT": "0"}, r"^MASTER_PORT=0 \(environment\) is below 1"),
     ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "local rank"),
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, r"^OMPI_COMM_WORLD_LOCAL_RANK=3 \(set by Open MPI's mpirun\) is outside its "
+                                          r"host"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"},
+     r"^OMPI_COMM_WORLD_SIZE=0 \(set by Open MPI's mpirun\)"),
+    ({"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "2"}, r"^SLURM_PROCID=x \(set by Slurm's srun\)"),
+    ({"PMI_RANK": "3", "PMI_SIZE": "2"},
+     r"^PMI_RANK=3 \(set by MPICH's or Intel MPI's launcher\) is outside the world"),
 ])
-def test_bad_environment(env, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_environment_names_the_variable_and_who_set_it(env, match):
+    with pytest.raises(InvalidArgumentError, match=match):
         discover(env)
+
+
+def test_explicit_ranks_outside_the_world_are_named_as_arguments():
+    with pytest.raises(InvalidArgumentError, match=r"^world_size=0 \(init_process_group's argument\)"):
+        discover({}, rank=0, world_size=0)
+    with pytest.raises(InvalidArgumentError, match=r"^rank=3 \(init_process_group's argument\) is outside the world"):
+        discover({}, rank=3, world_size=2)
 
 
 def test_flags():

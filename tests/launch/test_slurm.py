@@ -200,5 +200,5 @@ def test_a_rank_set_by_hand_that_contradicts_srun_is_named(slurm):
     result = srun(slurm, 2, [sys.executable, "-m", "smddp.alias", str(RANKS / "runtime_env.py")],
                   timeout=60, env={"RANK": "5"})
     assert result.returncode != 0, result.output
-    assert "RANK=5 contradicts the launcher (slurm)" in result.stderr, result.output
+    assert "RANK=5 (environment) contradicts the launcher (Slurm's srun)" in result.stderr, result.output
     assert "RUNTIME" not in result.stdout

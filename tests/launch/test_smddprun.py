@@ -239,6 +239,20 @@ def test_clear_errors_instead_of_a_start(tmp_path):
     assert remote.returncode == 2 and "needs mpirun" in remote.stderr, remote.output
     no_program = run([*PY_LAUNCH, "-np", "2"], timeout=30)
     assert no_program.returncode == 2 and "no program" in no_program.stderr, no_program.output
+    # Issue 53: an SMDDP_MPIRUN the system cannot run, and a MASTER_PORT that is no port, are named
+    # (they were a traceback and int()'s message).
+    garbage = tmp_path / "mpirun"
+    garbage.write_bytes(b"\0\1 not a program")
+    garbage.chmod(0o755)
+    broken = run([*PY_LAUNCH, "--launcher", "mpirun", "-np", "2", "train.py"], timeout=30,
+                 env={"SMDDP_MPIRUN": str(garbage)})
+    assert broken.returncode == 2, broken.output
+    assert f"smddprun: error: cannot run SMDDP_MPIRUN={garbage} (environment)" in broken.stderr, broken.output
+    assert "Traceback" not in broken.output, broken.output
+    port = run([*PY_LAUNCH, "--launcher", "local", "-np", "2", "train.py"], timeout=30, env={"MASTER_PORT": "http"})
+    assert port.returncode == 2, port.output
+    assert ("smddprun: error: MASTER_PORT=http (environment) is not a whole number: MASTER_PORT takes a whole number "
+            "from 1 to 65535") in port.stderr, port.output
 
 
 # ------------------------------------------------------------------ the import alias

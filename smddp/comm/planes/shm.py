@@ -493,8 +493,7 @@ def open_plane(host, agreed, group: str = "world") -> Optional[Plane]:
         raise  # a host-mate that never came (a TimeoutError, so an OSError): not a /dev/shm problem
     except OSError as exc:
         if host.rank == 0:
-            warnings.warn(
-                f"smddp: shared-memory plane unavailable, CPU collectives do not use it: {exc} "
-                f"(enlarge /dev/shm, e.g. docker run --shm-size=1g, or set SMDDP_SHM_SLOT_BYTES lower)",
-                RuntimeWarning, stacklevel=2)
+            # The reason carries its own advice (shm_segment): a read-only directory is not a small one.
+            warnings.warn(f"smddp: shared-memory plane unavailable, CPU collectives do not use it: {exc}",
+                          RuntimeWarning, stacklevel=2)
         return None

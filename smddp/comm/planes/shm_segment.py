@@ -125,20 +125,62 @@ def _new_name(group: str) -> str:
             f"{uuid.uuid4().hex[:6]}-n{pid_namespace() or 0}-p{os.getpid()}")
 
 
+def _dir_words() -> str:
+    """The segments' directory as messages name it: ``SMDDP_SHM_DIR=/dev/shm (the default)``."""
+    return f"SMDDP_SHM_DIR={SHM_DIR} ({knobs.origin('SMDDP_SHM_DIR')})"
+
+
+_ELSEWHERE = "point SMDDP_SHM_DIR at a directory on a tmpfs that this user can write"
+_ENLARGE = "enlarge it (containers: docker run --shm-size=1g) or set SMDDP_SHM_SLOT_BYTES lower"
+
+
+def _why(exc: OSError, nbytes: int) -> str:
+    """Why the segment cannot be made in the directory, with the advice that fits ``exc``'s errno."""
+    code, text = exc.errno, exc.strerror or str(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"{_dir_words()} cannot hold {nbytes >> 20} MiB ({text}: out of space, or of inodes): {_ENLARGE}"
+    if code == errno.EROFS:
+        return f"{_dir_words()} is read-only ({text}): {_ELSEWHERE}"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"this user cannot create files in {_dir_words()} ({text}): {_ELSEWHERE}"
+    if code == errno.EEXIST:
+        return (f"a file of the segment's name is already in {_dir_words()} ({text}): something else makes "
+                f"files named {_PREFIX}* there; {_ELSEWHERE}, of this job's own")
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return f"{_dir_words()} is not a directory ({text}): create it, or {_ELSEWHERE}"
+    if code in (errno.EMFILE, errno.ENFILE):
+        return f"this process cannot open another file ({text}): raise its limit (ulimit -n)"
+    if code in (errno.EOPNOTSUPP, errno.EINVAL, errno.EFBIG):
+        return f"{_dir_words()} cannot reserve {nbytes >> 20} MiB ({text}): {_ELSEWHERE}"
+    return f"the segment cannot be made in {_dir_words()} ({text})"
+
+
 def _create(path: str, nbytes: int) -> Optional[str]:
-    """Create and reserve the segment at ``path``; None, or why /dev/shm cannot hold it."""
+    """Create and reserve the segment at ``path``; None, or why it cannot be and what to do.
+
+    Every failure of the directory or the file, whatever its errno, is a reason returned here, so
+    that the creator publishes it to its host-mates (:func:`map_segment`) instead of leaving them
+    waiting for a name that never comes.
+    """
     sweep_stale()
-    stat_fs = os.statvfs(SHM_DIR)
+    try:
+        stat_fs = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        return _why(exc, nbytes)
     free = stat_fs.f_bavail * stat_fs.f_frsize
     if free < nbytes:
-        return f"{SHM_DIR} has {free >> 20} MiB free and the shared-memory plane needs {nbytes >> 20} MiB"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return (f"{_dir_words()} has {free >> 20} MiB free and the shared-memory plane needs "
+                f"{nbytes >> 20} MiB: {_ENLARGE}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return _why(exc, nbytes)
     try:
         # Reserve the pages now: a full tmpfs is an error here, not a SIGBUS mid-collective.
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         _unlink(path)
-        return f"{SHM_DIR} cannot hold {nbytes >> 20} MiB ({exc.strerror})"
+        return _why(exc, nbytes)
     except BaseException:
         _unlink(path)
         raise
@@ -198,6 +240,8 @@ def _try_map(name: str, nbytes: int) -> Tuple[Optional[mmap.mmap], dict]:
             f"SMDDP_CPU_PLANE=gloo)")}
     except OSError as exc:
         return None, {"error": str(exc), "fatal": False}
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the host-mates must hear of it
+        return None, {"error": f"{type(exc).__name__}: {exc}", "fatal": True}
 
 
 def _report(raw: str) -> dict:
@@ -291,8 +335,9 @@ def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
         The segment's name and this rank's mapping of it (the file is already unlinked).
 
     Raises:
-        OSError: a rank of the host cannot map it (/dev/shm too small, or not the same
-            /dev/shm): raised on every rank of the host.
+        OSError: the segment cannot be made (the directory too small, read-only, not writable by this
+            user, not a directory; any errno: the message says which, and what to do), or a rank of the
+            host cannot map it: raised on every rank of the host, each with the same reason.
         BackendUnavailableError: a rank refused the name it read, or found no such segment
             (the module says when): raised on every rank of the host.
             The creator raises it too when a rank has not mapped it within the timeout.
@@ -306,7 +351,13 @@ def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
         return name, _mapped(mapping, [_report(host.read(f"mapped/{r}")) for r in range(host.size)])
     name = _new_name(group)
     path = os.path.join(SHM_DIR, name)
-    reason = _create(path, nbytes)
+    try:
+        reason = _create(path, nbytes)
+    except BaseException as exc:
+        # Whatever stopped it, the host-mates must not wait for a name that will not come: they
+        # fall back, and this rank's error ends the job or is caught by its caller.
+        host.publish("segment", f"!local rank 0 could not make the segment: {type(exc).__name__}: {exc}")
+        raise
     if reason is not None:
         host.publish("segment", "!" + reason)
         raise OSError(reason)

@@ -166,8 +166,8 @@ INIT = {
 def test_bad_smddp_timeout_is_one_error_whichever_init(entry):
     result = python(["-c", INIT[entry]], env={"SMDDP_TIMEOUT": "soon"})
     assert result.returncode != 0, result.output
-    assert ("smddp.errors.InvalidArgumentError: SMDDP_TIMEOUT='soon' is not a number: SMDDP_TIMEOUT sets "
-            "how long a collective may take, in seconds") in result.stderr, result.output
+    assert ("smddp.errors.InvalidArgumentError: SMDDP_TIMEOUT=soon (environment) is not a number: SMDDP_TIMEOUT "
+            "takes a number of seconds above 0") in result.stderr, result.output
 
 
 # ---------------------------------------------------------------------------- SMDDP_DEBUG

@@ -232,7 +232,8 @@ def test_the_mode_comes_from_smddps_variable_else_torchs():
     assert failures.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == 1
     assert failures.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                                        "SMDDP_NCCL_ASYNC_ERROR_HANDLING": "2"}) == 2
-    with pytest.raises(InvalidArgumentError, match="SMDDP_NCCL_ASYNC_ERROR_HANDLING must be 0, 1, 2 or 3"):
+    with pytest.raises(InvalidArgumentError, match=r"SMDDP_NCCL_ASYNC_ERROR_HANDLING=7 \(environment\) is above 3: "
+                                                   r"SMDDP_NCCL_ASYNC_ERROR_HANDLING takes a whole number from 0 to 3"):
         failures.error_handling({"SMDDP_NCCL_ASYNC_ERROR_HANDLING": "7"})
     assert [failures.aborts(m) for m in range(4)] == [False, True, True, False]
     assert [failures.ends_process(m) for m in range(4)] == [False, True, False, True]
