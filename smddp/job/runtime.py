@@ -147,6 +147,6 @@ def fill(env: MutableMapping[str, str], topo: Topology) -> Dict[str, str]:
     put("MASTER_ADDR", addr)
     put("MASTER_PORT", port)
     if topo.rank == 0 and env.get("MASTER_PORT") and topo.launcher not in _PORT_OWNED_BY_LAUNCHER:
-        where = "chosen from the Slurm job id" if "MASTER_PORT" in added and topo.launcher == "slurm" else "set"
+        where = "chosen from the Slurm job id" if "MASTER_PORT" in added and topo.launcher == "slurm" else "environment"
         check_port_free(int(env["MASTER_PORT"]), where)
     return added

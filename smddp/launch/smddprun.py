@@ -222,10 +222,11 @@ def job_environment(opts: Options, env: Mapping[str, str], local: bool = False) 
     if out.get("MASTER_PORT"):
         given = any(spec.startswith("MASTER_PORT=") for spec in opts.exports)
         try:
-            port = knobs.read("MASTER_PORT", out["MASTER_PORT"], PORT, "smddprun -x" if given else "environment",
+            source = "smddprun -x" if given else "environment"
+            port = knobs.read("MASTER_PORT", out["MASTER_PORT"], PORT, source,
                               "; or unset it, and smddprun picks a free one")
             if local or out.get("MASTER_ADDR") in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn()):
-                runtime.check_port_free(port, "set")
+                runtime.check_port_free(port, source)
         except InvalidArgumentError as exc:
             raise LaunchError(str(exc)) from None
     else:

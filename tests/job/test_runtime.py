@@ -144,7 +144,7 @@ def test_smddprun_names_a_master_port_in_use(launcher, held_port):
     result = run([*SMDDPRUN, "--launcher", launcher, "-np", "2", PROBE, "--init"], timeout=60,
                  env={"MASTER_PORT": str(held_port)})
     assert result.returncode == 2, result.output
-    assert f"MASTER_PORT={held_port} (set) is already in use on this host" in result.stderr, result.output
+    assert f"MASTER_PORT={held_port} (environment) is already in use on this host" in result.stderr, result.output
     assert "RUNTIME" not in result.stdout
 
 
@@ -155,7 +155,7 @@ def test_plain_mpirun_names_a_master_port_in_use(held_port):
                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held_port)},
                     mpi_args=["-x", "MASTER_ADDR", "-x", "MASTER_PORT"])
     assert result.returncode != 0, result.output
-    assert f"MASTER_PORT={held_port} (set) is already in use on this host" in result.stderr, result.output
+    assert f"MASTER_PORT={held_port} (environment) is already in use on this host" in result.stderr, result.output
     assert "RUNTIME 0" not in result.stdout
 
 
