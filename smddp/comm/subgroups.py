@@ -99,7 +99,8 @@ def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator
         # plane for where they are (a subgroup on one host gets shared memory).
         from smddp.comm.planes import choose
 
-        ctx = choose.meet(ctx, found)  # the members' own layout: their hosts, their settings
+        # the members' layout (their hosts, their settings): the world's, restricted to them
+        ctx = choose.meet_within(ctx, found, getattr(comm, "layout", None), list(ranks))
         flat = _flat(getattr(comm, "flat", comm), ranks, ctx)
         try:
             return choose.compose(flat, ctx, found, f"g{len(ranks)}")

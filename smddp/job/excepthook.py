@@ -23,6 +23,7 @@ from typing import List, Optional
 _IO_GRACE = 0.3
 _lock = threading.Lock()
 _installed = False
+_exit_armed = False  # the exit handler, registered with the first engine (see watch)
 _engines: List = []
 #: ``"TypeError: ..."`` once an uncaught exception has reached the hook.
 failure: Optional[str] = None
@@ -106,7 +107,7 @@ def _hook(previous):
 
 
 def install() -> None:
-    """Install the uncaught-exception hook and the exit handler (idempotent)."""
+    """Install the uncaught-exception hook (idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -114,14 +115,23 @@ def install() -> None:
         _installed = True
         if not getattr(sys.excepthook, "smddp", False):
             sys.excepthook = _hook(sys.excepthook)
-        atexit.register(_at_exit)
 
 
 def watch(engine) -> None:
-    """Call ``engine.at_exit(failure)`` when the interpreter exits."""
+    """Call ``engine.at_exit(failure)`` when the interpreter exits.
+
+    The exit handler is registered with the first engine, not when the hook is installed (as MPI
+    starts): ``atexit`` runs handlers last-in first-out, and the engines' notes and waits at exit
+    must run before the teardown that smddp's group creation registers just before its first
+    engine (:func:`smddp.torch.groups.create`), which closes them.
+    """
+    global _exit_armed
     install()
     with _lock:
         _engines.append(engine)
+        if not _exit_armed:
+            _exit_armed = True
+            atexit.register(_at_exit)
 
 
 def forget(engine) -> None:

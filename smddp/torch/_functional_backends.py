@@ -11,9 +11,12 @@ from the job's store: gloo for CPU, NCCL for CUDA, XCCL for XPU.
 Direct calls (``torch.distributed.*``, DDP's reducer, FSDP2's own collectives) still call the
 group's Python methods and run on smddp's communicator; see ``docs/fsdp.md``.
 
-Cost: gloo connects its peers on first use (lazy init, where torch has it) and NCCL/XCCL
-create their communicators on first use, so a job that never runs a functional collective
-pays about a millisecond at ``init_process_group()`` and no connections.
+Cost: gloo connects its peers as the group is made (one connection per peer, over the process's
+shared gloo devices) and NCCL/XCCL create their communicators on first use. Where the group's CPU
+communicator is smddp's ``gloo`` (torchrun, ``SMDDP_BACKEND=gloo``, a subgroup of either), its own
+gloo group serves the functional collectives too, and where the group hands a device's tensors to
+torch's own backend object (:mod:`smddp.torch.delegating_group`), that object serves them: a group
+has one gloo group and one device communicator, as torch's own groups do.
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ import torch
 import torch.distributed as tdist
 
 from smddp import _compat
-from smddp.comm.backends.gloo_group import lazy_gloo_group
+from smddp.comm.backends.gloo_group import gloo_group
 
 
 def gloo_backend(store, rank: int, size: int, timeout, group_name: str, one_host: bool, ranks=None):
-    """A ``ProcessGroupGloo`` that connects its peers on first use where torch can, named as its group.
+    """A ``ProcessGroupGloo`` over the process's shared gloo devices, named as its group.
 
     Its devices listen where smddp's sockets may (:mod:`smddp.comm.backends.gloo_group`):
     ``one_host``, from the group's agreed layout, says whether loopback reaches every rank.
     """
-    return _compat.name_backend(lazy_gloo_group(store, rank, size, timeout, one_host), group_name, size, ranks)
+    return _compat.name_backend(gloo_group(store, rank, size, timeout, one_host), group_name, size, ranks)
 
 
 def _devices(one_host: bool) -> List[Tuple[str, str, Callable]]:
@@ -79,13 +82,22 @@ def attach(group: tdist.ProcessGroup, store, rank: int, size: int, timeout, grou
         ``{device type: seconds its backend took to create}`` for the backends registered.
     """
     costs: Dict[str, float] = {}
+    given = {}
     if delegate is not None:
+        given[delegate.device_type] = delegate
         _compat.register_device_backend(group, delegate.device_type, delegate.kind, delegate.backend)
+    cpu = group.engine.comms.get("cpu")
+    flat = getattr(cpu, "flat", cpu)  # the CPU plane's flat communicator, or the communicator itself
+    if "cpu" not in given and isinstance(getattr(flat, "pg", None), tdist.ProcessGroupGloo):
+        # smddp's gloo communicator's own gloo group serves torch's functional collectives too
+        given["cpu"] = flat.pg
+        _compat.register_device_backend(group, "cpu", "GLOO", _compat.name_backend(flat.pg, group_name, size, ranks))
+        costs["cpu"] = 0.0
     # Whether every rank is on this host: the group's agreed layout says (its CPU communicator's).
-    layout = getattr(group.engine.comms.get("cpu"), "layout", None)
+    layout = getattr(cpu, "layout", None)
     one_host = layout.one_host if layout is not None else size == 1
     for device, kind, factory in _devices(one_host):
-        if delegate is not None and device == delegate.device_type:
+        if device in given:
             continue
         started = time.perf_counter()
         try:

@@ -148,7 +148,6 @@ def _op(op) -> Op:
     return found
 
 
-# ---------------------------------------------------------------------------- setup
 # ---------------------------------------------------------------------------- the delegated route
 #: smdistributed's reductions as torch's, for a group's device tensors (torch's own backend takes them).
 _TORCH_OPS = {Op.AVERAGE: tdist.ReduceOp.AVG, Op.SUM: tdist.ReduceOp.SUM, Op.MIN: tdist.ReduceOp.MIN,
@@ -173,6 +172,7 @@ def _as_torch(work, async_op: bool):
     return None
 
 
+# ---------------------------------------------------------------------------- setup
 def is_available() -> bool:
     """Check if script started as a distributed job.
 

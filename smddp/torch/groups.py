@@ -127,17 +127,17 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
     device = _compat.requested_device_id()  # init_process_group's or new_group's device_id
     if tdist.is_initialized():
         topology, ranks = _subgroup_topology(options)
-        ctx = Context(topology, timeout, store, device)
-        communicators = subgroups.subgroup_communicators(_world.engine.comms, ranks, ctx)
         parent = _world.delegate
         if device is None and parent is not None:
             device = parent.device  # a subgroup's device tensors live on its members' device
-    else:
-        # A world group torch destroyed without calling its shutdown() (older torch calls it
+        ctx = Context(topology, timeout, store, device)
+        communicators = subgroups.subgroup_communicators(_world.engine.comms, ranks, ctx)
         backend = parent.name if parent is not None else None
         # torch's rule: a subgroup's NCCL communicator is split from the world's where the world is
         # bound to its device (torch then makes the non-members' side of the split itself).
         split = parent if getattr(_world, "bound_device_id", None) is not None else None
+    else:
+        # A world group torch destroyed without calling its shutdown() (older torch calls it
         # only on NCCL's groups): close it before its successor opens, or its threads and
         # shared memory would stay until exit, one set per init_process_group().
         destroy()
@@ -155,9 +155,11 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         for made in {id(c): c for c in communicators.values()}.values():
             made.close()
         raise
-    engine = Engine(communicators, timeout.total_seconds(), store, _labels.ADVICE)
+    # The world's engine opens the process's stall channel on the world's store; each subgroup's
+    # asks and answers through it (no store connection or thread of a group's own).
+    engine = Engine(communicators, timeout.total_seconds(), store if ranks is None else None, _labels.ADVICE)
     if ranks is not None:
-        engine.describe_group(name, ranks)
+        engine.describe_group(name, ranks, _world.engine.stall_channel)
     if delegate is None:
         group = SmddpProcessGroup(engine, topology.rank, topology.size, on_shutdown=_shut_down)
     else:

@@ -119,6 +119,9 @@ class GlooCommunicator(Communicator):
         # which names the stalled ranks, is the one users see.
         # Listen on loopback only if the group's agreed layout puts every rank on this host.
         one_host = ctx.layout.one_host if ctx.layout is not None else sockets.one_host(ctx.topology)
+        # Over the process's shared gloo devices; the same object serves torch's functional
+        # collectives on the group's CPU tensors (smddp.torch._functional_backends): one gloo group
+        # per group, as torch's own.
         self.pg = gloo_group(store, self.rank, self.size, ctx.timeout + timedelta(seconds=10), one_host)
         #: Check collectives larger than :data:`SMALL_BYTES` too, at the cost of one exchange
         #: before gloo's own operation. The hierarchical plane's exchange between hosts turns it

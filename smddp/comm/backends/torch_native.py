@@ -31,7 +31,7 @@ import torch.distributed as tdist
 
 from smddp import _compat, knobs
 from smddp.comm.backends.devices import pick_device
-from smddp.comm.backends.gloo_group import lazy_gloo_group
+from smddp.comm.backends.gloo_group import gloo_group
 from smddp.comm.base import Context
 from smddp.comm.needs import TORCH_CUDA_INSTALL, XPU_INSTALL
 from smddp.errors import BackendUnavailableError
@@ -106,7 +106,7 @@ def create(name: str, ctx: Context, group_name: str = "", ranks: Optional[Sequen
     elif name == "torch-gloo":
         device = torch.device("cpu")
         one_host = ctx.layout.one_host if ctx.layout is not None else topology.size == 1
-        backend = lazy_gloo_group(tdist.PrefixStore(STORE_PREFIX.format("cpu"), store), topology.rank,
+        backend = gloo_group(tdist.PrefixStore(STORE_PREFIX.format("cpu"), store), topology.rank,
                                   topology.size, ctx.timeout, one_host)
         _compat.name_backend(backend, group_name, topology.size, ranks)
         kind = "GLOO"

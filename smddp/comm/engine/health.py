@@ -49,17 +49,35 @@ class Health:
         self._statuses: Optional[dict] = None  # the other ranks' answers, asked once
         self._report_lock = threading.Lock()
         self._channel: Optional[_stall.StoreChannel] = None
+        self._channel_group = ""  # this group's name in the channel ("": the world)
+        self._owns_channel = False  # the world's engine opens the process's channel and closes it
         if self.size > 1:
-            self._channel = self._open_channel(store)
+            if store is not None:
+                self._channel = self._open_channel(store)
+                self._owns_channel = self._channel is not None
             excepthook.watch(self)
 
     #: For a subgroup: its name and its members' global ranks (group rank i is global_ranks[i]).
     group_name: str = ""
     global_ranks: Optional[List[int]] = None
 
-    def describe_group(self, name: str, global_ranks: Sequence[int]) -> None:
-        """Make this a subgroup's engine: errors name global ranks and the group ``name``."""
+    def describe_group(self, name: str, global_ranks: Sequence[int],
+                       channel: Optional[_stall.StoreChannel] = None) -> None:
+        """Make this a subgroup's engine: errors name global ranks and the group ``name``.
+
+        ``channel``: the process's stall channel (the world engine's :attr:`stall_channel`), which
+        then answers and asks about this group too: a subgroup opens no store connection and
+        starts no thread of its own.
+        """
         self.group_name, self.global_ranks = name, list(global_ranks)
+        if channel is not None and self.size > 1 and self._channel is None:
+            self._channel, self._channel_group = channel, name
+            channel.serve(name, self.status)
+
+    @property
+    def stall_channel(self) -> Optional[_stall.StoreChannel]:
+        """The stall channel this engine asks and answers through (None without a store)."""
+        return self._channel
 
     def global_rank(self, rank: int) -> int:
         """The global rank of this group's ``rank``."""
@@ -127,10 +145,13 @@ class Health:
             if self._broken is None:
                 self._end_note = {"state": "closed"}
                 try:
-                    self._channel.note_end(self.status())
+                    self._channel.note_end(self.status(), self._channel_group)
                 except Exception:  # noqa: BLE001 - the store may already be gone
                     pass
-            self._channel.close()
+            if self._owns_channel:
+                self._channel.close()
+            else:
+                self._channel.leave(self._channel_group)
         if self._broken is None:
             excepthook.forget(self)  # a broken engine still ends the job at exit
 
@@ -140,7 +161,7 @@ class Health:
             return None
         try:
             channel = _stall.StoreChannel(store, self.rank, self.size)
-            channel.serve(self.status)
+            channel.serve("", self.status)
         except Exception as exc:  # noqa: BLE001 - a store without clone() or queues
             print(f"smddp: rank {self.rank}: timeouts will not name the stalled ranks: {exc}", file=sys.stderr)
             return None
@@ -166,11 +187,10 @@ class Health:
         with self._report_lock:
             if self._statuses is None:
                 try:
-                    self._statuses = self._channel.query()
+                    self._statuses = self._channel.query(self._channel_group, self.global_ranks)
                 except Exception as exc:  # noqa: BLE001 - the report is best effort
                     return f" (could not ask the other ranks where they are: {exc})"
-        statuses = {self.global_rank(rank): st for rank, st in self._statuses.items()}
-        text = _stall.describe(statuses, seq, op_name, stalled, self.advice)
+        text = _stall.describe(self._statuses, seq, op_name, stalled, self.advice)  # by global rank
         return " " + text if text else ""
 
     def at_exit(self, failure: Optional[str] = None) -> None:
@@ -191,6 +211,9 @@ class Health:
         if self._closed or self._channel is None:
             return
         self._end_note = {"state": "failed", "error": failure} if failure else {"state": "exiting"}
+        if not self._owns_channel:  # a subgroup: its note; the world's engine waits and closes
+            self._channel.note_end(self.status(), self._channel_group)
+            return
         try:
             self._channel.note_end(self.status())
             # Long enough for a rank still in a collective to time out and ask this one.

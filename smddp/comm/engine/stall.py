@@ -1,8 +1,8 @@
 """Which ranks never arrived: ask every rank where it is when a collective times out.
 
-Each rank runs one responder thread that blocks on its own queue in the job's key-value
-store (``queue_pop`` on a private connection: the GIL is released and no CPU is used while
-it waits). A rank whose collective timed out pushes a query onto every other rank's queue;
+Each process runs one responder thread, for all its groups, that blocks on its own queue in the
+job's key-value store (``queue_pop`` on a private connection: the GIL is released and no CPU is
+used while it waits). A rank whose collective timed out pushes a query onto every other rank's queue;
 each responder answers with its :func:`status` (the last collective it started, whether it
 finished, how long ago, whether the script has ended). Nothing is exchanged while
 collectives run normally, so the hot path pays nothing.
@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from smddp.comm.base import poll
 from smddp.comm.mismatch.fingerprint import ranks_text
@@ -62,15 +62,21 @@ def label_of(op_name: object) -> Optional[str]:
 
 
 class StoreChannel:
-    """Answers and asks "where are you?" over a torch ``Store`` shared by all ranks.
+    """Answers and asks "where are you?" for every group of this process, over the job's store.
+
+    One channel per process and world, whatever the number of groups: one responder thread and one
+    store connection of its own (the responder blocks on it: a blocking call on a shared connection
+    would hold that connection's lock against every other user), so the store's host holds one
+    connection per rank for it, not one per rank and group. Each group's engine serves under the
+    group's name (:meth:`serve`; the world's is ``""``); queries and answers name the group, and
+    ranks are the world's (global) ranks.
 
     Args:
-        store: the group's store: its keys are the group's own (torch's prefix for the group,
-            and the world's namespace), so the channel's keys need no number of their own.
-            A per-process count of channels would differ between ranks that made different
-            numbers of groups, and their questions would go unanswered.
-        rank: this process's rank in the group.
-        size: number of ranks in the group.
+        store: the world's store: its keys are the world's own (the world's namespace), so the
+            channel's keys need no number of their own. A per-process count would differ between
+            ranks that made different numbers of groups, and their questions would go unanswered.
+        rank: this process's rank in the world.
+        size: number of ranks in the world.
     """
 
     def __init__(self, store, rank: int, size: int):
@@ -78,22 +84,31 @@ class StoreChannel:
 
         self.rank, self.size = rank, size
         self.store = tdist.PrefixStore("smddp/stall", store)
-        # The responder blocks on its own connection: a blocking call on a shared one
-        # would hold that connection's lock against every other user.
-        self._conn = self.store.clone()
-        self._conn.set_timeout(timedelta(days=365))
-        self._status: Optional[Callable[[], Status]] = None
+        self._conn: Optional[object] = None  # the responder's own connection, made as it starts
+        self._groups: Dict[str, Callable[[], Status]] = {}
+        self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._query_lock = threading.Lock()
         self._queries = itertools.count(1)
-        self._ended = False
+        self._notes: Dict[str, Status] = {}  # each group's final status, once it has ended here
 
-    def serve(self, status: Callable[[], Status]) -> None:
-        """Start answering queries with ``status()``; say which process answers."""
-        self._status = status
-        self.store.set(f"p/{self.rank}", json.dumps({"pid": os.getpid(), "host": host_identity()}))
-        self._thread = threading.Thread(target=self._serve, name="smddp-stall-responder", daemon=True)
-        self._thread.start()
+    def serve(self, group: str, status: Callable[[], Status]) -> None:
+        """Answer the queries about ``group`` with ``status()``; the first call starts the responder
+        and says which process answers."""
+        with self._lock:
+            self._groups[group] = status
+            if self._thread is not None:
+                return
+            self._conn = self.store.clone()
+            self._conn.set_timeout(timedelta(days=365))
+            self.store.set(f"p/{self.rank}", json.dumps({"pid": os.getpid(), "host": host_identity()}))
+            self._thread = threading.Thread(target=self._serve, name="smddp-stall-responder", daemon=True)
+            self._thread.start()
+
+    def leave(self, group: str) -> None:
+        """Stop answering about ``group`` (destroyed): its note, left by :meth:`note_end`, answers."""
+        with self._lock:
+            self._groups.pop(group, None)
 
     def _serve(self) -> None:
         key = f"q/{self.rank}"
@@ -103,42 +118,51 @@ class StoreChannel:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
             query = _json_dict(raw)
-            if query is None or not all(type(query.get(k)) is int for k in ("from", "id")):
+            if query is None or not all(type(query.get(k)) is int for k in ("from", "id")) or \
+                    type(query.get("group", "")) is not str:
                 if query is not None and query.get("stop") is True:
                     return
                 continue  # not a query smddp wrote: ignored, and the responder keeps answering
-            base = f"a/{query['from']}/{query['id']}"
+            group = query.get("group", "")
+            with self._lock:
+                status, note = self._groups.get(group), self._notes.get(group)
+            base = f"a/{group}/{query['from']}/{query['id']}"
             try:
-                self._conn.set(f"{base}/{self.rank}", json.dumps(self._status()))
+                # A group destroyed here answers with its note; one not made yet says so.
+                answer = status() if status is not None else note or {"seq": 0, "age": 0.0, "state": "absent"}
+                self._conn.set(f"{base}/{self.rank}", json.dumps(answer))
                 self._conn.add(f"{base}/n", 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
 
-    def query(self, timeout: float = ANSWER_WAIT) -> Dict[int, Optional[Status]]:
-        """Ask every other rank for its status.
+    def query(self, group: str = "", members: Optional[Sequence[int]] = None,
+              timeout: float = ANSWER_WAIT) -> Dict[int, Optional[Status]]:
+        """Ask every other member of ``group`` for its status.
 
         Args:
+            group: the group's name (``""``: the world).
+            members: the group's global ranks (default: every rank of the world).
             timeout: seconds to wait for answers.
 
         Returns:
-            ``{rank: status or None}`` for every other rank; None: no answer, no note left at
-            exit, and nothing known of its process. A rank that did not answer whose process
-            is on this host gets ``{"state": "silent", "process": ..., "pid": ...}``, with
+            ``{global rank: status or None}`` for every other member; None: no answer, no note
+            left at exit, and nothing known of its process. A rank that did not answer whose
+            process is on this host gets ``{"state": "silent", "process": ..., "pid": ...}``, with
             ``process`` one of :func:`process_state`'s answers.
         """
         with self._query_lock:
             qid = next(self._queries)
-            message = json.dumps({"from": self.rank, "id": qid})
-            others = [r for r in range(self.size) if r != self.rank]
+            message = json.dumps({"from": self.rank, "id": qid, "group": group})
+            others = [r for r in (range(self.size) if members is None else members) if r != self.rank]
             for r in others:
                 self.store.queue_push(f"q/{r}", message)
-            base = f"a/{self.rank}/{qid}"
+            base = f"a/{group}/{self.rank}/{qid}"
             # Ranks that have ended left a note instead of an answer: do not wait for them.
-            poll(lambda: self.store.add(f"{base}/n", 0) + self.store.add("ended", 0) >= len(others),
+            poll(lambda: self.store.add(f"{base}/n", 0) + self.store.add(f"ended/{group}", 0) >= len(others),
                  time.monotonic() + timeout, pause=_pause)
             found: Dict[int, Optional[Status]] = {}
             for r in others:
-                found[r] = self._read(f"{base}/{r}") or self._read(f"x/{r}") or self._silent(r)
+                found[r] = self._read(f"{base}/{r}") or self._read(f"x/{group}/{r}") or self._silent(r)
             return found
 
     def _silent(self, rank: int) -> Optional[Status]:
@@ -159,16 +183,17 @@ class StoreChannel:
             return None  # not a status smddp wrote: treated as no answer
         return found
 
-    def note_end(self, status: Status) -> None:
-        """Leave this rank's final status where the others find it (once)."""
-        if self._ended:
-            return
-        self._ended = True
-        self.store.set(f"x/{self.rank}", json.dumps(status))
-        self.store.add("ended", 1)
+    def note_end(self, status: Status, group: str = "") -> None:
+        """Leave this rank's final status in ``group`` where the others find it (once per group)."""
+        with self._lock:
+            if group in self._notes:
+                return
+            self._notes[group] = status
+        self.store.set(f"x/{group}/{self.rank}", json.dumps(status))
+        self.store.add(f"ended/{group}", 1)
 
     def wait_all_ended(self, timeout: float) -> bool:
-        """Wait until every rank has called :meth:`note_end`, answering queries meanwhile.
+        """Wait until every rank of the world has called :meth:`note_end` for it, answering queries meanwhile.
 
         Returns:
             True if they all did within ``timeout`` seconds.
@@ -176,7 +201,7 @@ class StoreChannel:
 
         def ended() -> bool:
             try:
-                return self.store.add("ended", 0) >= self.size
+                return self.store.add("ended/", 0) >= self.size
             except Exception:  # noqa: BLE001 - the store's host has gone: nothing to wait for
                 return True
 
@@ -228,6 +253,8 @@ def _where(st: Status) -> str:
         return f"has called destroy_process_group(), {last}"
     if state == "failed":
         return f"has ended with an uncaught exception ({st.get('error', '?')}), {last}"
+    if state == "absent":
+        return "has not made this group yet (or has destroyed it)"
     if not seq:
         return "has not started any collective yet"
     if state == "broken":

@@ -30,7 +30,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch.distributed as tdist
 
@@ -142,6 +142,19 @@ def meet(ctx: Context, found: PlaneSettings) -> Context:
     mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning,
                            cma=offer)
     agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine, shm_cma.refusal)
+    return _with_layout(ctx, agreed)
+
+
+def meet_within(ctx: Context, found: PlaneSettings, world: Optional[layout.Layout], ranks: List[int]) -> Context:
+    """``ctx`` with a subgroup's layout: the world's restricted to the global ``ranks``
+    (:func:`smddp.comm.planes.layout.restrict`), with no exchange; :func:`meet` where the world has
+    no layout (a world of one, or made without a store)."""
+    if ctx.topology.size == 1 or world is None:
+        return meet(ctx, found)
+    return _with_layout(ctx, layout.restrict(world, ranks, ctx.topology.rank))
+
+
+def _with_layout(ctx: Context, agreed: layout.Layout) -> Context:
     topology = ctx.topology
     if topology.launcher == "explicit":
         # Rank and size came as arguments: no launcher counted this host's ranks; the group did.

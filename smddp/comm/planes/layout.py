@@ -22,6 +22,11 @@ rank decides such a thing from its own settings:
   in a second round; a host takes the path only if every one of its ranks reached every other,
   and from rank 0's ``SMDDP_SHM_CMA_MIN_BYTES``.
 
+A subgroup's layout is the world's, restricted to its members (:func:`restrict`): every member
+published its identity and settings when the world was made, in this same process, so a subgroup
+needs no exchange of its own (torch makes hundreds of groups in some jobs: Megatron-style meshes,
+DeviceMesh dimensions).
+
 Values read from the store are validated, never trusted as they are: a malformed one raises.
 """
 
@@ -65,6 +70,8 @@ class Layout:
         cma_why: per host, why it does not ("" where it does).
         same_protocol: every rank speaks :data:`PROTOCOL`.
         differs: the knobs some rank set to another value than the layout's.
+        votes: each rank's single-copy vote where its host voted (``"1"``, or ``"0"`` and why not),
+            by its rank in the group: what :func:`restrict` reads for a subgroup's hosts.
     """
 
     mates: hostmates.Hostmates
@@ -81,6 +88,7 @@ class Layout:
     cma_why: Tuple[str, ...]
     same_protocol: bool
     differs: Tuple[str, ...]
+    votes: Tuple[Tuple[int, str], ...] = ()
 
     @property
     def one_host(self) -> bool:
@@ -132,6 +140,31 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any],
     for r, entry in enumerate(info):
         _validate(r, entry)
     mates = hostmates.grouped(info, rank)
+    return _computed(mates, _vote(store, mates, refusal))
+
+
+def restrict(world: Layout, ranks: List[int], rank: int) -> Layout:
+    """The layout of the subgroup of ``world``'s ``ranks`` (group rank ``i`` is ``ranks[i]``), without
+    an exchange: each member's proposal and single-copy vote are those it made for the world.
+
+    A host of the subgroup takes the single-copy all-reduce only if each of its members could read
+    and write every world host-mate's memory (a subset of those it probed).
+
+    Args:
+        world: the world's agreed layout.
+        ranks: the subgroup's members, by their rank in ``world``.
+        rank: this rank in the subgroup.
+    """
+    info = [world.mates.info[r] for r in ranks]
+    mates = hostmates.grouped(info, rank)
+    voted = dict(world.votes)
+    votes = {i: voted[r] for i, r in enumerate(ranks) if r in voted}
+    return _computed(mates, votes)
+
+
+def _computed(mates: hostmates.Hostmates, votes: Mapping[int, str]) -> Layout:
+    """The layout that every rank of a group computes alike from its ranks' proposals and votes."""
+    info = mates.info
     first = info[0]
     tuning = {field: first[field] for field, _ in _TUNING}
     tuning["slot"] = min(entry["slot"] for entry in info)
@@ -142,23 +175,22 @@ def agree(store, rank: int, size: int, mine: Mapping[str, Any],
     def every(key: str) -> Tuple[bool, ...]:
         return tuple(all(info[r][key] for r in members) for members in mates.hosts)
 
-    cma, cma_why = _vote(store, mates, refusal)
+    why = list(_unvoted(mates))
+    for h, members in enumerate(mates.hosts):
+        if not why[h]:
+            found = (votes.get(r, "0a rank did not vote") for r in members)
+            why[h] = next((vote[1:201] or "a rank voted no" for vote in found if vote != "1"), "")
     return Layout(
         mates=mates, plane=first["plane"], slot=tuning["slot"], chunk_bytes=tuning["chunk"],
         one_shot_max=tuning["one_shot"], cma_min_bytes=tuning["cma_min"], hierarchical_min_bytes=tuning["hier_min"],
-        shm=every("ok"), native=every("native"), native_f16=every("f16"), cma=cma, cma_why=cma_why,
-        same_protocol=all(entry["protocol"] == PROTOCOL for entry in info), differs=tuple(differs),
+        shm=every("ok"), native=every("native"), native_f16=every("f16"), cma=tuple(not text for text in why),
+        cma_why=tuple(why), same_protocol=all(entry["protocol"] == PROTOCOL for entry in info),
+        differs=tuple(differs), votes=tuple(sorted(votes.items())),
     )
 
 
-def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...], Tuple[str, ...]]:
-    """Per host: may its ranks read and write each other's memory, and if not, why.
-
-    On a host whose ranks all run the core and offered it, each rank probes every host-mate and
-    publishes its vote; the host's answer is yes only if every vote is. Every rank reads the same
-    votes, so every rank has the same answer; where no host could, there is no round (every rank
-    knows that from the proposals).
-    """
+def _unvoted(mates: hostmates.Hostmates) -> List[str]:
+    """Per host, why its ranks cannot take the single-copy all-reduce without voting ("": they vote)."""
     info = mates.info
     why = []
     for members in mates.hosts:
@@ -168,6 +200,19 @@ def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...],
                    f"local rank {core[0]} does not run the compiled core" if core else
                    f"local rank {offered[0]} offered none (SMDDP_SHM_CMA off, or no cross-memory attach)"
                    if offered else "")
+    return why
+
+
+def _vote(store, mates: hostmates.Hostmates, refusal) -> Dict[int, str]:
+    """Each rank's vote, on the hosts that vote: may it read and write each host-mate's memory.
+
+    On a host whose ranks all run the core and offered it, each rank probes every host-mate and
+    publishes its vote (``"1"``, or ``"0"`` and why not); every rank reads the same votes, so every
+    rank computes the same answer (:func:`_computed`: a host takes the path only if every vote is
+    yes); where no host could, there is no round (every rank knows that from the proposals).
+    """
+    info = mates.info
+    why = _unvoted(mates)
     if not why[mates.host]:
         me = mates.rank
         refused = [(local, refusal(info[r]["cma"]) if refusal is not None else "no probe")
@@ -175,11 +220,11 @@ def _vote(store, mates: hostmates.Hostmates, refusal) -> Tuple[Tuple[bool, ...],
         refused = [f"local rank {mates.local_rank} cannot read or write local rank {local}'s memory ({text})"
                    for local, text in refused if text]
         store.set(f"cma/{me}", "0" + refused[0] if refused else "1")
+    votes: Dict[int, str] = {}
     for h, members in enumerate(mates.hosts):
         if not why[h]:
-            votes = (store.get(f"cma/{r}").decode(errors="replace") for r in members)
-            why[h] = next((vote[1:201] or "a rank voted no" for vote in votes if vote != "1"), "")
-    return tuple(not text for text in why), tuple(why)
+            votes.update((r, store.get(f"cma/{r}").decode(errors="replace")) for r in members)
+    return votes
 
 
 def _validate(rank: int, entry: Any) -> None:

@@ -13,6 +13,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -164,16 +165,40 @@ def test_stall_channel_reads_only_json_and_survives_malformed_queries(tmp_path):
     asking, answering = stall.StoreChannel(server, 0, 3), stall.StoreChannel(server, 1, 3)
     here = {"seq": 3, "op": "all_reduce", "done": True, "age": 1.0, "state": "running"}
     try:
-        for junk in (pickle.dumps(Planted(marker)), b"not json", b"[1, 2]", b'{"from": "0", "id": 1}'):
+        for junk in (pickle.dumps(Planted(marker)), b"not json", b"[1, 2]", b'{"from": "0", "id": 1}',
+                     b'{"from": 0, "id": 1, "group": 5}'):
             answering.store.queue_push("q/1", junk)  # before any real query: the responder must skip them
-        answering.serve(lambda: here)
+        answering.serve("", lambda: here)
         # Rank 2 never answers; in its place, notes that are not smddp's statuses.
-        asking.store.set("x/2", pickle.dumps(Planted(marker)))
+        asking.store.set("x//2", pickle.dumps(Planted(marker)))
         asking.store.set("p/2", b'{"pid": "1", "host": "x"}')
         found = asking.query(timeout=3)
         assert found == {1: here, 2: None}, found
-        asking.store.set("x/2", b'{"seq": "four"}')
+        asking.store.set("x//2", b'{"seq": "four"}')
         assert asking.query(timeout=1)[2] is None
     finally:
         answering.close()
     assert not marker.exists(), "a planted pickle was unpickled"
+
+
+def test_one_stall_channel_serves_every_group_of_a_process_through_one_connection():
+    """Groups answer under their own names through the process's one responder and connection; a
+    group a rank has not made says so, and a destroyed one answers with its note."""
+    server = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    asking, answering = stall.StoreChannel(server, 0, 3), stall.StoreChannel(server, 2, 3)
+    world = {"seq": 7, "op": "barrier", "done": True, "age": 2.0, "state": "running"}
+    sub = {"seq": 2, "op": "all_reduce", "done": False, "age": 1.0, "state": "running"}
+    try:
+        answering.serve("", lambda: world)
+        answering.serve("5", lambda: sub)
+        assert asking.query("", [0, 2], timeout=3) == {2: world}
+        assert asking.query("5", [0, 2], timeout=3) == {2: sub}
+        assert asking.query("6", [0, 2], timeout=3)[2]["state"] == "absent"
+        assert "has not made this group yet" in stall.describe(asking.query("6", [0, 2], timeout=3), 1, "all_reduce")
+        answering.note_end({**sub, "state": "closed"}, "5")
+        answering.leave("5")
+        assert asking.query("5", [0, 2], timeout=3)[2]["state"] == "closed"
+        threads = [t for t in threading.enumerate() if t.name == "smddp-stall-responder"]
+        assert len(threads) == 1  # one responder for both groups
+    finally:
+        answering.close()

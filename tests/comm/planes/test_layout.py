@@ -119,6 +119,40 @@ def test_a_host_reads_its_mates_memory_only_if_every_rank_reached_every_other():
 
 
 @pytest.mark.unit
+def test_a_subgroups_layout_is_the_worlds_restricted_to_it_as_if_its_members_had_met():
+    """A subgroup takes no exchange of its own: the world's layout, restricted to its members, is
+    what the members would agree on among themselves (hosts, settings, what each host can run, the
+    single-copy votes), on every member."""
+    offer = {"pid": 1, "addr": 4096, "token": 7}
+    entries = [proposal("a", cma=offer), proposal("a", cma=offer, slot=1 << 20), proposal("b", cma=offer),
+               proposal("b", native=False, cma=offer, chunk=1 << 18), proposal("a", cma=offer)]
+    votes = {0: "1", 1: "1", 4: "0local rank 2 cannot read or write local rank 0's memory (EPERM)"}
+
+    def agreed(members, rank):
+        store = tdist.HashStore()
+        for i, r in enumerate(members):
+            store.set(f"hostmates/{i}", json.dumps(entries[r]))
+            if r in votes:
+                store.set(f"cma/{i}", votes[r])
+        return layout.agree(store, rank, len(members), entries[members[rank]], lambda peer: "")
+
+    world = agreed(list(range(5)), 0)  # what every rank of the world computes
+    for members in ([0, 1], [1, 3, 4], [2, 3], [0, 1, 2, 3, 4], [4, 1], [3]):
+        for rank in range(len(members)):
+            derived = layout.restrict(world, members, rank)
+            met = agreed(members, rank)
+            assert derived.mates.hosts == met.mates.hosts and derived.mates.rank == met.mates.rank, members
+            for field in ("plane", "slot", "chunk_bytes", "one_shot_max", "cma_min_bytes", "hierarchical_min_bytes",
+                          "shm", "native", "native_f16", "same_protocol", "differs"):
+                assert getattr(derived, field) == getattr(met, field), (members, field)
+            # a subset of the host-mates each member probed: never more than the members would vote
+            assert all(not d or m for d, m in zip(derived.cma, met.cma)), members
+    assert layout.restrict(world, [0, 1], 0).cma == (True,)
+    assert layout.restrict(world, [0, 4], 0).cma == (False,)
+    assert "cannot read or write" in layout.restrict(world, [0, 4], 1).cma_why[0]
+
+
+@pytest.mark.unit
 def test_host_identity_has_the_pid_and_network_namespaces():
     identity = layout.host_identity({"SMDDP_HOST_ID": "node7"})
     assert identity.startswith("node7|")
