@@ -394,3 +394,27 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the running backward pass ends, before ``backward()`` returns
     (``Variable._execution_engine.queue_callback``, 2.4 to 2.13)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ---------------------------------------------------------------------------- CUDA events, Works from futures
+_CudaEventBase = getattr(torch._C, "_CudaEventBase", None)
+#: ``event.record(stream)`` and ``event.wait(stream)`` (``cudaEventRecord``, ``cudaStreamWaitEvent``) as
+#: the C methods of ``torch._C._CudaEventBase`` (2.4 to 2.14's CUDA builds): ``torch.cuda.Event``'s own
+#: are Python wrappers around them (and ``Stream.wait_event`` one more), a microsecond of host time per
+#: collective on the NCCL path. A CPU build has no such methods: the public ones serve (the NCCL
+#: stand-in of the tests replaces these two).
+record_event = getattr(_CudaEventBase, "record", None) or (lambda event, stream: event.record(stream))
+wait_event = getattr(_CudaEventBase, "wait", None) or (lambda event, stream: event.wait(stream))
+
+#: torch 2.7 and later wrap a Work that a Python group returns to C++ with the Python object that
+#: made it (``PyProcessGroup::PyWorkHolder``): C++ (DDP's reducer) may keep and use it after Python
+#: dropped it. torch 2.4 to 2.6 keep only its C++ half, whose overridden methods are lost once
+#: Python frees the object.
+PY_WORK_HOLDER = torch.__version__ >= (2, 7)
+
+
+def work_from_future(future: torch.futures.Future):
+    """A C++ ``Work`` that is ``future`` (``_create_work_from_future``, 2.4 to 2.14): its ``wait()``
+    waits on the future (a CUDA-aware one makes the caller's current streams wait on its events),
+    its ``get_future()`` is the future, and it needs no Python object to live."""
+    return _C10D._create_work_from_future(future)

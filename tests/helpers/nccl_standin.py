@@ -20,6 +20,12 @@ querying thread's device (:attr:`HostNccl.queries`), so a test can see which thr
 Install it with :func:`install` (a pytest ``monkeypatch``): tensors stay on the CPU and
 the communicator's own code (pointer and offset arithmetic, dtype and op codes, grouping,
 stream ordering, held tensors, deadlines, abort, teardown) runs unchanged.
+
+``install(monkeypatch, null=True)`` is the host-cost benchmarks' variant (one thread, a world of
+one): NCCL's calls move nothing, and CUDA's and NCCL's primitives that smddp calls on a collective's
+path (the current stream, the capture check, an event's record and wait, NCCL's calls and its
+asynchronous-error check) are single C calls, as on a GPU host, where they are CUDA's and CuPy's
+compiled functions: C builtins stand in for them (:func:`_c_primitives`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import operator
 import os
 import queue
 import sys
@@ -109,10 +116,19 @@ class HostEvent:
         return self._done.is_set()
 
     def wait(self) -> None:
-        if not self._done.wait(STUCK):
-            raise RuntimeError(f"stand-in: an event did not complete within {STUCK:g} s")
+        HostEvent.waiting_on(self._done)()
 
     synchronize = wait
+
+    @staticmethod
+    def waiting_on(done: threading.Event):
+        """A wait for one recording of an event (its ``threading.Event``), failing after :data:`STUCK` s."""
+
+        def wait() -> None:
+            if not done.wait(STUCK):
+                raise RuntimeError(f"stand-in: an event did not complete within {STUCK:g} s")
+
+        return wait
 
 
 class HostStream:
@@ -123,6 +139,8 @@ class HostStream:
     def __init__(self, fake: HostNccl, deferred: bool = False):
         self.cuda_stream = next(self._handles)
         self.device = torch.device("cpu")
+        # what torch's C calls name a stream by (stream_id, device_index, device_type)
+        self.stream_id, self.device_index, self.device_type = self.cuda_stream, 0, 1
         self.deferred = deferred
         self.errors: List[BaseException] = []  # what its work raised (a CUDA error)
         self.graph: Optional[HostGraph] = None  # capturing into it (see HostNccl.capture)
@@ -158,7 +176,8 @@ class HostStream:
                 self.errors.append(exc)
 
     def wait_event(self, event: HostEvent) -> None:
-        self.enqueue(event.wait)
+        # What the event is now, as cudaStreamWaitEvent: recording it again later changes nothing here
+        self.enqueue(HostEvent.waiting_on(event._done))
 
     def wait_stream(self, other: HostStream) -> None:
         event = HostEvent()
@@ -243,6 +262,12 @@ class HostNccl(types.ModuleType):
         self.futures: List[tuple] = []
         #: True: NCCL calls move nothing and queue nothing (host-cost benchmarks at world size 1).
         self.null = False
+        #: Every launch, in order, as ``(rank, names)``: the name of one NCCL call outside a group, or
+        #: those of one ``groupStart()``..``groupEnd()`` (a single launch: NCCL runs its calls together).
+        self.launches: List[tuple] = []
+        #: Set by a test: NCCL's collective calls raise this synchronously (as CuPy raises an
+        #: ``NcclError`` for an invalid argument), enqueuing nothing.
+        self.refuse: Optional[str] = None
         self.NcclCommunicator = lambda ndev, uid, rank: HostCommunicator(self, ndev, uid, rank)
 
     def get_unique_id(self) -> bytes:
@@ -266,10 +291,22 @@ class HostNccl(types.ModuleType):
         self.local.group = []
 
     def groupEnd(self) -> None:  # noqa: N802
+        """Launch the group's calls as one: its sends and receives together, then its collectives in order."""
         calls, self.local.group = self.local.group, None
-        if calls:
-            owner, handle = calls[0][0], calls[0][-1]
-            self.streams[handle].enqueue(lambda: owner.run_group(calls))
+        if not calls:
+            return
+        self.launches.append((calls[0][0].rank, [call[1] for call in calls]))
+        p2p = [call for call in calls if call[1] in ("send", "recv")]
+        collectives = [call[2] for call in calls if call[1] not in ("send", "recv")]
+        owner, handle = calls[0][0], calls[0][-1]
+
+        def run() -> None:
+            if p2p:
+                owner.run_group(p2p)
+            for work in collectives:
+                work()
+
+        owner._enqueue(handle, run)
 
 
 class HostCommunicator:
@@ -296,6 +333,9 @@ class HostCommunicator:
         self._sent: Dict[int, itertools.count] = {}
         self._received: Dict[int, itertools.count] = {}
         fake.comms.append(self)
+        if fake.null:  # CuPy's compiled calls: C builtins that take their integer arguments and do nothing
+            self.allReduce = self.reduceScatter = self.broadcast = self.allGather = max  # noqa: N815
+            self.check_async_error = int
 
     def _await(self, ready) -> None:
         """Wait (under the world's lock) until ``ready()``, or fail as an aborted NCCL call does.
@@ -323,6 +363,17 @@ class HostCommunicator:
             self._await(lambda: len(slot) == w.size)
             return [slot[r] for r in range(w.size)]
 
+    def _call(self, name: str, stream: int, work) -> None:
+        """One NCCL call: refused at once (``fake.refuse``), added to this thread's open group, or launched."""
+        if self.fake.refuse is not None:
+            raise RuntimeError(self.fake.refuse)
+        group = getattr(self.fake.local, "group", None)
+        if group is not None:
+            group.append((self, name, work, stream))
+            return
+        self.fake.launches.append((self.rank, [name]))
+        self._enqueue(stream, work)
+
     def _enqueue(self, stream: int, work) -> None:
         if self.fake.null:
             return
@@ -337,7 +388,7 @@ class HostCommunicator:
             values = self._exchange(host_view(send, count, code).clone())
             host_view(recv, count, code).copy_(reduce(values, op))
 
-        self._enqueue(stream, work)
+        self._call("allReduce", stream, work)
 
     def reduceScatter(self, send, recv, count, code, op, stream):  # noqa: N802
         self.fake.op_codes.append(op)
@@ -347,21 +398,21 @@ class HostCommunicator:
             mine = [v[self.rank * count:(self.rank + 1) * count] for v in values]
             host_view(recv, count, code).copy_(reduce(mine, op))
 
-        self._enqueue(stream, work)
+        self._call("reduceScatter", stream, work)
 
     def broadcast(self, send, recv, count, code, root, stream):
         def work():
             values = self._exchange(host_view(send, count, code).clone())
             host_view(recv, count, code).copy_(values[root])
 
-        self._enqueue(stream, work)
+        self._call("broadcast", stream, work)
 
     def allGather(self, send, recv, count, code, stream):  # noqa: N802
         def work():
             values = self._exchange(host_view(send, count, code).clone())
             host_view(recv, count * self.world.size, code).copy_(torch.cat(values))
 
-        self._enqueue(stream, work)
+        self._call("allGather", stream, work)
 
     def send(self, ptr, count, code, peer, stream):
         self.fake.local.group.append((self, "send", ptr, count, code, peer, stream))
@@ -401,13 +452,55 @@ class HostCommunicator:
             self.fake.release_abort.wait(STUCK)  # ncclCommAbort stuck (a peer holds a lock it needs)
 
 
-def install(monkeypatch, deferred: bool = False) -> HostNccl:
+class HostFuture(torch.futures.Future):
+    """A CUDA-aware future as the stand-in makes one: it records the stream current when it was
+    completed (``completed_on``), where a real one records its CUDA events."""
+
+    completed_on: Optional[HostStream] = None
+
+    def set_result(self, result) -> None:
+        self.completed_on = torch.cuda.current_stream()
+        super().set_result(result)
+
+
+def _c_primitives(monkeypatch, fake: HostNccl, default: HostStream) -> None:
+    """The null variant's CUDA primitives as C calls, as torch's CUDA build has them (one thread).
+
+    The current stream is a ``dict.get`` (torch's ``_cuda_getCurrentStream``), the capture check
+    ``bool``, an event's record and a stream's wait on one ``operator.is_`` or ``operator.not_``
+    (``cudaEventRecord``, ``cudaStreamWaitEvent``); only making a stream current stays Python
+    (``_cuda_setStream``: a future's completion on a collective's stream, off the timed calls).
+    """
+    from smddp import _compat
+
+    keys = {index: (default.stream_id, index, default.device_type) for index in range(8)}
+
+    def set_stream_ids(stream_id, device_index, device_type) -> None:
+        for index in keys:
+            keys[index] = (stream_id, index, device_type)
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", keys.get, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_setStream", set_stream_ids, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", bool, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.streams[keys[0][0]])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: set_stream_ids(stream.stream_id, 0, 1))
+    monkeypatch.setattr(_compat, "record_event", operator.is_, raising=False)
+    monkeypatch.setattr(_compat, "wait_event", operator.is_, raising=False)
+    # smddp before _compat.record_event called torch.cuda.Event's and Stream's own methods
+    monkeypatch.setattr(HostEvent, "record", operator.not_)
+    monkeypatch.setattr(HostStream, "wait_event", operator.not_)
+    fake.groupStart = fake.groupEnd = tuple
+
+
+def install(monkeypatch, deferred: bool = False, null: bool = False) -> HostNccl:
     """Put :class:`HostNccl` in CuPy's place and host streams in torch.cuda's; tensors stay on the CPU.
 
     Args:
         monkeypatch: pytest's fixture (everything is undone after the test).
         deferred: streams (the default stream of every thread, and new ones) run work on
             worker threads instead of inline.
+        null: the host-cost benchmarks' variant (see the module docstring): one thread, NCCL's
+            calls move nothing, the primitives on a collective's path are C calls.
 
     Returns:
         The stand-in; ``fake.current.stream`` sets the calling thread's current stream.
@@ -417,6 +510,7 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     from smddp.comm.backends.nccl import pending, watchdog
 
     fake = HostNccl()
+    fake.null = null
     runtime = types.SimpleNamespace(devices=[], setDevice=lambda index: runtime.devices.append(index))
     cuda = types.ModuleType("cupy.cuda")
     cuda.nccl, cuda.runtime = fake, runtime
@@ -466,7 +560,7 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current_stream().graph is not None)
 
     def device_future(device):
-        future = torch.futures.Future()  # CUDA-aware on a GPU; here the devices are recorded
+        future = HostFuture()  # CUDA-aware on a GPU; here the devices are recorded
         fake.futures.append((future, [device]))
         return future
 
@@ -478,8 +572,15 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
 
     monkeypatch.setattr(watchdog, "relax_capture_mode", relax_capture_mode, raising=False)
     monkeypatch.setattr(pending, "relax_capture_mode", relax_capture_mode, raising=False)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: HostStream(fake, deferred))
+    def stream(device=None, stream_id=None, device_index=None, device_type=None) -> HostStream:
+        # torch.cuda.Stream(stream_id=...) names an existing stream (what _compat.CudaStreams makes)
+        return fake.streams[stream_id] if stream_id is not None else HostStream(fake, deferred)
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    # an event's record and a stream's wait on it, as smddp calls them (torch's C methods on a GPU)
+    monkeypatch.setattr(_compat, "record_event", lambda event, stream: event.record(stream), raising=False)
+    monkeypatch.setattr(_compat, "wait_event", lambda event, stream: stream.wait_event(event), raising=False)
     # Host code inside `with torch.cuda.stream(s)` runs at once: the tests that use deferred
     # streams avoid it (no AVERAGE before NCCL 2.10, no all_to_all_single to oneself).
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -498,5 +599,7 @@ def install(monkeypatch, deferred: bool = False) -> HostNccl:
     monkeypatch.setattr(nccl_module, "cuda_index", lambda device: thread.chosen, raising=False)
     monkeypatch.setattr(HostEvent, "fake", fake)
     fake.current, fake.runtime = current, runtime
+    if null:
+        _c_primitives(monkeypatch, fake, current_stream())
     return fake
 

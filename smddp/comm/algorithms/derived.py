@@ -297,8 +297,9 @@ def each(engine: Engine, start_one: Callable[..., Handle], *lists: Sequence, res
     calls = list(zip(*lists))
     if not calls:
         return engine.message("coalesced collective of no tensors", lambda: DONE, result or ())
-    handles = [start_one(*items) for items in calls[:-1]]
-    handles.append(start_one(*calls[-1]) if result is None else start_one(*calls[-1], result=result))
+    with engine.coalesced():  # one grouped launch where the library has one (NCCL's ncclGroupStart/End)
+        handles = [start_one(*items) for items in calls[:-1]]
+        handles.append(start_one(*calls[-1]) if result is None else start_one(*calls[-1], result=result))
     handles[-1].covers = handles[:-1]
     return handles[-1]
 

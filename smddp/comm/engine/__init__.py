@@ -36,6 +36,7 @@ progress thread.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
@@ -62,6 +63,7 @@ from smddp.errors import (
 __all__ = ["Engine", "Handle"]
 
 _profiling = _events.active  # one C call: is torch's profiler recording in this thread
+_monotonic = time.monotonic
 
 
 class _Waiting(Pending):
@@ -316,16 +318,48 @@ class Engine(Health, Progress):
         """``comm``'s direct path (:attr:`Communicator.direct`) if a collective may take it now, else None.
 
         A stream-ordered communicator's direct path enqueues a collective with nothing for the
-        engine to own (:mod:`smddp.comm.backends.nccl.direct`): taken only with nothing of the
-        general path in flight or waiting (issue order holds), not under ``SMDDP_DEBUG`` (its
-        comparison runs first) nor while torch's profiler records (its events come from
-        :meth:`run`). torch's NCCL group's rules apply from there: the collective is done for the
-        host once it is enqueued.
+        engine to own (:mod:`smddp.comm.backends.nccl.direct`): taken unless that communicator's
+        general path has work in flight (its collectives complete in issue order), a future's
+        callbacks may still start collectives (:meth:`chain`: every rank numbers them first), or
+        ``SMDDP_DEBUG`` compares each collective first. An operation of another communicator in
+        flight (an asynchronous CPU all-reduce of a metric) does not turn it off, nor does torch's
+        profiler: the path records the collective's event itself. torch's NCCL group's rules apply
+        from there: the collective is done for the host once it is enqueued.
         """
         direct = comm.direct
-        if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
+        if direct is not None and not self._chained and self._debug is None and (
+                not self._inflight or not self._on_stream_in_flight()):
             return direct
         return None
+
+    def _on_stream_in_flight(self) -> bool:
+        """True while a stream-ordered operation of the general path is in flight: the device
+        communicator's (an engine has one per device type, and only a device's is stream-ordered).
+        A list the progress thread replaces as it completes operations, read without the lock."""
+        for handle in self._inflight:
+            if handle._pending.query is not None:
+                return True
+        return False
+
+    @contextlib.contextmanager
+    def coalesced(self):
+        """Start the collectives of one coalesced call in this block (torch's ``*_coalesced``):
+        those a direct path takes go to its library as one grouped launch (NCCL's
+        ``ncclGroupStart``/``ncclGroupEnd``), at the end of the block, in the calling thread.
+        """
+        paths = []
+        for comm in self.comms.values():
+            direct = comm.direct
+            if direct is not None and direct not in paths:
+                direct.begin_group()
+                paths.append(direct)
+        try:
+            yield
+        finally:
+            if paths:
+                with self._start_lock:  # the launch is a call into the library, as a start is
+                    for direct in paths:
+                        direct.end_group()
 
     def start_direct(self, direct, kind: str, output: torch.Tensor, input: Optional[torch.Tensor], arg,
                      async_op: bool, result: Optional[Sequence], op_name: str):
@@ -391,15 +425,32 @@ class Engine(Health, Progress):
         # more (timeit, alternated with this version, 2-core AMD EPYC VM), some 4% of a 4 KB
         # all-reduce on the shared-memory plane.
         comm = self._cpu_comm if tensor.is_cpu else self._cuda_comm if tensor.is_cuda else None
+        direct = None if comm is None else comm.direct
+        # The direct path checks the dtype itself (a tensor it refuses goes on to the checks below)
+        if direct is not None and not self._chained and self._debug is None and (
+                not self._inflight or not self._on_stream_in_flight()):
+            # self.direct_path(comm) and self.start_direct(...), inline: the host's path of every
+            # all-reduce on a GPU, where each Python call is a tenth of what the group adds
+            # (benchmarks/nccl_host_cost.py)
+            name = "all_reduce" if label is None else labelled("all_reduce", label)
+            lock = self._start_lock
+            lock.acquire()
+            try:
+                if self._closed or self._broken is not None:
+                    self._check_usable()
+                last_op, self._last_start = self._last_op, _monotonic()
+                self.seq = seq = self.seq + 1
+                self._last_op = name
+                work = direct.start(direct.ALL_REDUCE, tensor, None, op, async_op, result, seq, name)
+                if work is direct.REFUSED:  # nothing was sent
+                    self.seq, self._last_op = seq - 1, last_op
+            finally:
+                lock.release()
+            if work is not direct.REFUSED:
+                self._done_seq = seq
+                return work
         if comm is None or tensor.dtype not in comm.dtypes:
             comm = self.checks.comm_for(tensor)
-        direct = comm.direct
-        if direct is not None and not self._inflight and not self._chained and self._debug is None and not _profiling():
-            # self.direct_path(comm), inline: the host's path of every all-reduce on a GPU
-            name = "all_reduce" if label is None else labelled("all_reduce", label)
-            work = self.start_direct(direct, direct.ALL_REDUCE, tensor, None, op, async_op, result, name)
-            if work is not direct.REFUSED:
-                return work
         check = None if self._debug is None else ("all_reduce", op, tensor, None, label)
         name = "all_reduce" if label is None else labelled("all_reduce", label)
         inputs = [tensor]

@@ -8,7 +8,8 @@ The default on CUDA machines. It does what torch's ProcessGroupNCCL does:
 - Communicator: none at ``init_process_group``. The group's first collective makes it
   (:mod:`smddp.comm.backends.nccl.lane`): the unique id goes through the group's own store,
   ``ncclCommInitRank`` runs on a thread that sets the device, and both are held to the
-  group's timeout.
+  group's timeout. A first collective inside a CUDA graph capture is refused (run one before
+  capturing): neither can be captured.
 - Streams: by default (``SMDDP_NCCL_STREAM=side``) each group has a stream of its own, which
   waits for the caller's current stream by an event before each collective, so DDP's
   bucket all-reduces overlap backward. ``current`` enqueues on the caller's current stream.
@@ -24,8 +25,11 @@ The default on CUDA machines. It does what torch's ProcessGroupNCCL does:
 - dtypes: those NCCL has, plus bool, complex and float8 as torch's NCCL group sends them
   (:func:`~smddp.comm.backends.nccl.bindings.on_the_wire`); int16 is refused, as there.
 - Deadlines: a watchdog thread holds every operation, from before its NCCL call, to the group's
-  timeout. A deadline that passes or an NCCL error is handled as ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-  would (:mod:`smddp.comm.backends.nccl.failures`; by default the process ends).
+  timeout. A deadline that passes or NCCL's asynchronous error is handled as
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` would (:mod:`smddp.comm.backends.nccl.failures`; by default the
+  process ends); an error NCCL returns from a call is raised at the call, as torch raises it.
+- Point-to-point (``send``, ``recv``) is refused: on torch's NCCL group it would run on a second
+  NCCL communicator beside this one (see :meth:`NCCLCommunicator.send`).
 - Teardown: a last barrier under the same deadline, then ``destroy()``; a communicator that
   failed, or whose barrier does not complete, is aborted (never longer than the abort's grace).
 """
@@ -39,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp import knobs
+from smddp import _compat, knobs
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
 from smddp.comm.backends.nccl import failures
 from smddp.comm.backends.nccl.bindings import CONVERTED, NCCL_2_10, load_nccl, nccl_dtypes, nccl_ops, on_the_wire
@@ -47,7 +51,7 @@ from smddp.comm.backends.nccl.direct import DirectPath
 from smddp.comm.backends.nccl.lane import CreationTimeout, Lane, open_lane
 from smddp.comm.backends.nccl.pending import Captured, HostPolled, StreamOrdered
 from smddp.comm.backends.nccl.unique_id import UniqueIdTimeout, share_unique_id, unique_id_key
-from smddp.comm.backends.nccl.watchdog import Watchdog, Watched
+from smddp.comm.backends.nccl.watchdog import EVENT, HELD, OP_NAME, SEQ, Watchdog, Watched
 from smddp.comm.base import Communicator, Context, Op, Pending, average
 from smddp.errors import BackendUnavailableError, CollectiveError, CollectiveTimeout, InvalidArgumentError
 
@@ -201,11 +205,23 @@ class NCCLCommunicator(Communicator):
         return lane
 
     def _open(self, seq: int, op_name: str, tensor: Optional[torch.Tensor]) -> Lane:
-        """Make the group's NCCL communicator (every rank's first collective of the group does)."""
+        """Make the group's NCCL communicator (every rank's first collective of the group does).
+
+        Raises:
+            CollectiveError: called during a CUDA graph capture (before anything is sent), or the
+                communicator could not be made.
+        """
         with self._open_lock:
             if self._lane is not None:
                 return self._lane_for(seq, op_name, tensor)
             self.raise_failure()
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # no CUDA, no capture
+                raise CollectiveError(
+                    f"{op_name} is this group's first NCCL collective on rank {self.rank}, and it was called "
+                    f"during a CUDA graph capture: the group's NCCL communicator would be created inside the "
+                    f"capture (its unique id goes through the store and ncclCommInitRank cannot be captured). "
+                    f"Run one collective on the group before capturing (a warm-up step, as for torch's NCCL "
+                    f"group), then capture")
             device = self.device  # device_id, else the current device as set, else the local rank
             if tensor is not None:
                 check_device(tensor, device, self.name)  # before anything is sent
@@ -297,7 +313,7 @@ class NCCLCommunicator(Communicator):
 
     def _expired(self, watched: Watched, error: Optional[BaseException]) -> None:
         """The watchdog gave up on ``watched`` (its deadline, or NCCL's ``error``)."""
-        self._give_up(watched.seq, watched.op_name, error)
+        self._give_up(watched[SEQ], watched[OP_NAME], error)
 
     # ------------------------------------------------------------------ plumbing
     def _enqueue(self, lane: Lane, seq: int, op_name: str, stream, call: Callable[[Any, Any], None],
@@ -312,25 +328,54 @@ class NCCLCommunicator(Communicator):
             raise InvalidArgumentError(
                 f"{op_name} cannot be captured in a CUDA graph: it blocks the host until every rank "
                 f"arrived (as torch's NCCL barrier does); call it before or after the capture")
-        failure = event = None
+        direct = self.direct
+        if direct is not None and direct._groups:
+            direct.flush()  # a coalesced call's collectives on the direct path come first
+        failure = refused = event = None
         with lane.calling(self._refusal) as comm:
             watched = None if capturing else self._watch.start(seq, op_name, held, lane.streams.key_of(stream))
             try:
                 # NCCL's asynchronous error (a peer died) fails the next call, as it starts: the
                 # watchdog polls it between calls, and tests of operations in flight do not.
                 comm.check_async_error()
-                with torch.cuda.device(lane.index):
-                    call(comm, stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
+            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
                 failure = exc
+            else:
+                with torch.cuda.device(lane.index):
+                    try:
+                        call(comm, stream)
+                    except Exception as exc:  # noqa: BLE001 - NCCL refused the call, or an abort ended it
+                        refused = exc
+                    if not capturing:  # a captured operation's event would be a node of the graph
+                        event = self._watch.event()
+                        _compat.record_event(event, stream)
+                        watched[EVENT] = event
         if failure is not None:
             raise self._give_up(seq, op_name, failure) from failure
+        if refused is not None:
+            raise self._refusal_at_call(seq, op_name, refused, watched) from refused
         if capturing:
-            return Captured(self, lane, stream, event, None)
-        watched.event = event
+            return Captured(self, lane, stream, None, None)
         return pending(self, lane, stream, event, watched)
+
+    def _refusal_at_call(self, seq: int, op_name: str, exc: BaseException, watched: Optional[Watched]
+                         ) -> BaseException:
+        """The error for an operation whose NCCL call raised: the communicator's failure if it has one
+        (an abort ended the call, a peer died), else the call's own error, raised at the call as torch's
+        NCCL group raises it, with the communicator left as it was (its record is done)."""
+        if self._error is not None:  # as any failure: the error-handling mode acts (an abort finishes)
+            return self._give_up(seq, op_name, exc)
+        try:
+            self.check()
+        except CollectiveError as failure:
+            return failure
+        if watched is not None:
+            watched[HELD] = ()
+        return CollectiveError(
+            f"NCCL refused {op_name} (sequence number {seq}) on rank {self.rank} ({self.device}): {exc}. It was "
+            f"not enqueued and the NCCL communicator is still usable (the error is raised at the call, as by "
+            f"torch's NCCL group); the other ranks may be waiting in this collective. Set NCCL_DEBUG=WARN to "
+            f"see NCCL's own report")
 
     def _reduce_code(self, op: Op) -> Tuple[int, bool]:
         """NCCL's code for ``op``, and whether AVERAGE must divide the sum afterwards (NCCL < 2.10)."""
@@ -437,6 +482,38 @@ class NCCLCommunicator(Communicator):
                         average(wire_out, self.size)
 
         return self._enqueue(lane, tag, "reduce_scatter", stream, call, (output, input))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        """Refused: the ``nccl`` backend has no point-to-point messages.
+
+        torch's NCCL group would carry them (the group's torch-native backend) on NCCL communicators
+        of its own, beside this one, from another copy of NCCL: kernels of two communicators on one
+        GPU that wait on each other across ranks can hang a pipeline. One communicator would not do
+        either: a ``send`` and a ``recv`` that torch's ``batch_isend_irecv`` hands a Python group one
+        by one, launched one by one on one stream, wait on each other around a ring, where torch's
+        NCCL group gives each pair of ranks its own communicator and stream.
+
+        Raises:
+            CollectiveError: always, saying what to use instead (not ``BackendUnavailableError``,
+                which would send the message to torch's group).
+        """
+        raise self._no_point_to_point("send", tensor)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Pending:
+        """Refused, as :meth:`send`.
+
+        Raises:
+            CollectiveError: always.
+        """
+        raise self._no_point_to_point("recv", tensor)
+
+    def _no_point_to_point(self, what: str, tensor: torch.Tensor) -> CollectiveError:
+        return CollectiveError(
+            f"{what}: the 'nccl' backend (CuPy's NCCL) has no point-to-point messages, and does not hand them "
+            f"to torch's NCCL group either: that would run a second NCCL communicator on {tensor.device} beside "
+            f"this one, whose kernels can wait on each other across ranks and hang a pipeline. Use the default "
+            f"CUDA backend (SMDDP_BACKEND unset: torch's NCCL group, whose collectives and point-to-point share "
+            f"one NCCL), or send CPU tensors")
 
     def barrier(self, tag: int) -> Pending:
         # The host waits here, as for torch's NCCL barrier: a one-element all_reduce after

@@ -9,35 +9,49 @@ cost of a few Python calls:
   handle, no tensor held (the caching allocator orders reuse on that stream).
 - An asynchronous call runs NCCL on the group's own stream, after a cached event made that stream
   wait for the caller's, and hands back a :class:`StreamWork` whose future is CUDA-aware and
-  complete as the collective is enqueued (its event recorded on the group's stream): DDP's
-  reducer, ``wait()`` and ``then`` callbacks make streams wait on it, and the host never does.
-  The tensors are held until the stream is done with them (the watchdog's record).
+  complete as the collective is enqueued, on the collective's stream: DDP's reducer, ``wait()``
+  and ``then`` callbacks make streams wait on it, and the host never does. The tensors are held
+  until ``wait()`` has made the caller's stream wait (torch's unstash), or else until the stream
+  is done with them (the watchdog's record).
 - Every operation is watched against its deadline from before its NCCL call
   (:mod:`~smddp.comm.backends.nccl.watchdog`); one enqueued during a CUDA graph capture is not
   (its event would not be a real one) and runs on the capturing stream, so that replaying the
-  graph replays it and no other stream joins the capture.
+  graph replays it and no other stream joins the capture. Events come from the watchdog's pool.
+- An error NCCL returns from the call itself (an argument it refuses) is raised at the call, as
+  torch's NCCL group raises it, and leaves the communicator as it was; NCCL's asynchronous error (a
+  peer died) and a passed deadline are the communicator's failure
+  (:mod:`~smddp.comm.backends.nccl.failures`).
+- The collectives of a coalesced call (:meth:`DirectPath.begin_group`) are one NCCL group
+  (``ncclGroupStart``/``ncclGroupEnd``): one launch, one event after them all.
+- On torch before 2.7 (no ``PyWorkHolder``) C++ keeps only the C++ half of a Python ``Work``: there
+  an asynchronous call returns a C++ ``Work`` made from its future (``_compat.work_from_future``).
 
 :class:`DirectPath` looks up what it needs once, when the group's communicator is made: the
 communicator, the device and its index, the codes of the dtypes and reductions NCCL has, the
 group's stream and its key, the watchdog. The engine takes it whenever it can (the tensors on the
-device, contiguous, a dtype and reduction NCCL has natively, and no operation of the general path
-in flight, no ``SMDDP_DEBUG``, no profiler); everything else takes the general path
+device, contiguous, a dtype and reduction NCCL has natively, nothing of this communicator's
+general path in flight, no ``SMDDP_DEBUG``); everything else takes the general path
 (:mod:`smddp.comm.backends.nccl`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from smddp import _compat
-from smddp.errors import WaitTimeout
+from smddp.comm.backends.nccl.watchdog import EVENT, HELD, OP_NAME, SEQ, STREAM
+from smddp.errors import CollectiveError, WaitTimeout
 
 _Work = torch.distributed.Work
 _ALL_REDUCE, _BROADCAST, _ALL_GATHER, _REDUCE_SCATTER = "allReduce", "broadcast", "allGather", "reduceScatter"
+_thread_id = threading.get_ident
+_profiling = _compat.profiler_enabled  # one C call
+_enter, _exit = _compat.record_function_enter, _compat.record_function_exit
 
 
 def _seconds(timeout) -> Optional[float]:
@@ -57,20 +71,18 @@ class StreamWork(_Work):
 
     Args:
         path: the direct path that enqueued it (it makes the future, on demand).
-        event: the CUDA event recorded after it, or None (enqueued during a graph capture).
+        watched: the watchdog's record of it (:data:`~smddp.comm.backends.nccl.watchdog.SEQ`: its
+            number and name, its event, what it holds, its stream), or None (enqueued during a graph
+            capture: ordered on the capturing stream, nothing to wait for).
         result: the output tensors.
-        name: the collective's name, for errors.
-        seq: its sequence number, for errors.
         future: its CUDA-aware future, if made already (a captured collective's).
     """
 
-    __slots__ = ("_path", "_event", "_result", "_name", "_seq", "_future", "covers")
+    __slots__ = ("_path", "_watched", "_result", "_future", "covers")
 
-    def __init__(self, path: DirectPath, event, result: list, name: str, seq: int,
-                 future: Optional[torch.futures.Future] = None):
+    def __init__(self, path: DirectPath, watched, result: list, future: Optional[torch.futures.Future] = None):
         _Work.__init__(self)
-        self._path, self._event, self._result, self._name, self._seq = path, event, result, name, seq
-        self._future = future
+        self._path, self._watched, self._result, self._future = path, watched, result, future
         #: Collectives issued just before this one that it stands for (a coalesced call,
         #: :func:`smddp.comm.algorithms.derived.each`): their errors are its own.
         self.covers = ()
@@ -78,21 +90,24 @@ class StreamWork(_Work):
     def wait(self, timeout=None) -> bool:
         """Make the calling thread's current stream wait for the collective; the host does not wait.
 
-        As torch's NCCL ``Work.wait()``. With a ``timeout`` the host does wait, at most that long, for
-        the GPU to finish it (as torch's does with one).
+        As torch's NCCL ``Work.wait()``, and as there the tensors the collective holds are let go
+        now (the caller's stream orders their reuse after it). With a ``timeout`` the host does wait,
+        at most that long, for the GPU to finish it (as torch's does with one).
 
         Raises:
             WaitTimeout: ``timeout`` passed before the GPU finished it (it stays in flight).
             CollectiveTimeout, CollectiveError: the communicator failed (a deadline passed, NCCL
                 reported an error), in a mode where failures raise (``SMDDP_NCCL_ASYNC_ERROR_HANDLING``).
         """
-        owner = self._path.owner
+        path = self._path
+        owner = path.owner
         error = self.exception() if self.covers else owner._error
         if error is not None:
             raise error
-        event = self._event
-        if event is None:  # captured on the capturing stream: ordered already
+        watched = self._watched
+        if watched is None:  # captured on the capturing stream: ordered already
             return True
+        event = watched[EVENT]
         if timeout is not None:
             limit = _seconds(timeout)
             if limit is not None:
@@ -101,12 +116,13 @@ class StreamWork(_Work):
                     if owner._error is not None:  # the watchdog gave up on it (or on one before it)
                         raise owner._error
                     if time.monotonic() > stop:
-                        raise WaitTimeout(f"{self._name} (sequence number {self._seq}) did not complete within "
-                                          f"the {limit:g} s this wait() allowed on rank {owner.rank}; it is "
-                                          f"still in flight")
+                        raise WaitTimeout(f"{watched[OP_NAME]} (sequence number {watched[SEQ]}) did not complete "
+                                          f"within the {limit:g} s this wait() allowed on rank {owner.rank}; it "
+                                          f"is still in flight")
                     time.sleep(1e-4)
                 owner.raise_failure()
-        self._path.streams.current()[1].wait_event(event)
+        path.wait_event(event, path._current()[1])
+        watched[HELD] = ()  # torch's unstash: the caller's stream now orders their reuse
         return True
 
     synchronize = wait
@@ -117,8 +133,8 @@ class StreamWork(_Work):
 
     def is_completed(self) -> bool:
         """True once the GPU has finished the collective (as torch's NCCL ``Work``), or it failed."""
-        event = self._event
-        return self._path.owner._error is not None or event is None or event.query()
+        watched = self._watched
+        return self._path.owner._error is not None or watched is None or watched[EVENT].query()
 
     def is_success(self) -> bool:
         """True once the GPU has finished the collective and the communicator has not failed."""
@@ -136,18 +152,36 @@ class StreamWork(_Work):
         """The collective's CUDA-aware future, complete since it was enqueued: ``wait()`` and
         ``then()`` make the waiting stream wait on its event, the host does not.
 
-        Made at the first call (DDP's reducer asks at once): its event is recorded on the
-        group's stream then, after the collective (and after any collective enqueued there since,
-        which a reader then waits for too).
+        Made at the first call (DDP's reducer asks at once), on the collective's stream: its event
+        is recorded there then, after the collective (and after any collective enqueued there
+        since, which a reader then waits for too).
         """
         future = self._future
         if future is None:
-            future = self._future = self._path.completed(self._result)
+            future = self._future = self._path.completed(self._result, self._watched[STREAM])
         return future
 
     def result(self) -> list:
         """The output tensors."""
         return self._result
+
+
+class _Group:
+    """The collectives of one thread's coalesced call, launched as one NCCL group
+    (:meth:`DirectPath.begin_group`; NCCL's groups are per thread).
+
+    Attributes:
+        depth: coalesced calls begun and not ended (a callback's within another's).
+        stream: the key of the stream the open group's collectives run on; None while none is open.
+        raw: that stream.
+        event: recorded after the group's launch; every collective's record and Work get it.
+        records: the watchdog's records of the open group's collectives.
+    """
+
+    __slots__ = ("depth", "stream", "raw", "event", "records")
+
+    def __init__(self):
+        self.depth, self.stream, self.raw, self.event, self.records = 1, None, None, None, []
 
 
 class DirectPath:
@@ -161,7 +195,9 @@ class DirectPath:
     def __init__(self, owner, lane):
         #: The communicator; the calling thread's current stream on the device (asked cheaply).
         self.owner, self.streams = owner, lane.streams
-        self._lane, self._watch = lane, owner._watch
+        self._lane, self._watch, self._nccl = lane, owner._watch, owner._nccl
+        # Bound once: an attribute lookup less each, on the path of every collective
+        self._free, self._watch_start, self._current = self._watch._free, self._watch.start, self.streams.current
         self.device = lane.device
         # get_device(): the CUDA index, -1 on the CPU (one C call; torch.device objects are made per read)
         self._index = -1 if lane.device.type == "cpu" else lane.device.index
@@ -169,13 +205,17 @@ class DirectPath:
         # complex, float8) take the general path. AVERAGE is NCCL's own from 2.10, else not here.
         self._dtypes = {dtype: code for dtype, code in owner._dtype_codes.items() if dtype in owner.dtypes}
         self._ops = {op: code for op, code in owner._op_codes.items() if code is not None}
+        #: ``record_event(event, stream)`` and ``wait_event(event, stream)``: CUDA's, one C call each.
+        self.record_event, self.wait_event = _compat.record_event, _compat.wait_event
         self._side = lane.side
         if self._side is not None:
             self._side_key = self.streams.key_of(self._side)
-            self._side_raw = self._side.cuda_stream
-            with torch.cuda.device(lane.index):
-                self._ready = torch.cuda.Event()  # the group's stream waits for the caller's on it
+            self._ready = lane.ready  # the group's stream waits for the caller's on it
         self._future = _compat.device_future
+        # Without PyWorkHolder, C++ (DDP's reducer) would keep only a StreamWork's C++ half.
+        self._python_work = _compat.PY_WORK_HOLDER
+        #: Thread id to the coalesced call it is starting (:meth:`begin_group`).
+        self._groups: Dict[int, _Group] = {}
 
     #: What a collective returns when the path does not take the call (nothing was sent).
     REFUSED = NotImplemented
@@ -206,7 +246,9 @@ class DirectPath:
             (``result()`` gives ``result``, by default ``[output]``), else None.
 
         Raises:
-            CollectiveError, CollectiveTimeout: the communicator failed, or NCCL refused the call.
+            CollectiveError: NCCL refused the call (raised at the call; nothing was enqueued), or
+                the communicator has failed.
+            CollectiveTimeout: the communicator has failed by a passed deadline.
         """
         dtype = self._dtypes.get(output.dtype)
         if dtype is None or output.get_device() != self._index or not output.is_contiguous():
@@ -216,76 +258,206 @@ class DirectPath:
             if code is None:
                 return self.REFUSED
         if kind is _ALL_REDUCE or kind is _BROADCAST:
-            count, held = output.numel(), (output,)
+            count = output.numel()
         else:  # an input and an output, of one dtype and device (the engine checked)
             if not input.is_contiguous():
                 return self.REFUSED
-            count, held = (input.numel() if kind is _ALL_GATHER else output.numel()), (output, input)
+            count = input.numel() if kind is _ALL_GATHER else output.numel()
+        # torch.profiler's view, as the engine's general path gives it (events.name_of's name)
+        profiled = _enter("smddp:" + name.split(" (", 1)[0], output if input is None else input) if _profiling() \
+            else None
         lane = self._lane
         lane.busy = True  # before reading lane.comm: see Lane.busy
         try:
             comm = lane.comm
             if comm is None:
                 raise self.owner._refusal()
-            streams = self.streams
-            key, current = streams.current()
-            capturing = streams.capturing()
-            side = self._side if async_op and not capturing else None
-            watched = None if capturing else (
-                self._watch.start(seq, name, (), key) if side is None else
-                self._watch.start(seq, name, held, self._side_key))
+            key, current = self._current()
+            if self.streams.capturing():
+                return self._captured(comm, kind, output, input, arg, count, async_op, result, current, seq, name)
+            side = self._side if async_op else None
+            if side is None:  # the caller's stream: the allocator orders reuse there, nothing held
+                stream, raw = key, current
+                watched = self._watch_start(seq, name, (), key)
+            else:
+                stream, raw = self._side_key, side
+                ready = self._ready
+                self.record_event(ready, current)
+                self.wait_event(ready, side)
+                watched = self._watch_start(seq, name, (output,) if input is None else (output, input), stream)
             try:
                 comm.check_async_error()  # NCCL's asynchronous error (a peer died) fails this call
-                if side is None:
-                    stream = current.cuda_stream
-                else:
-                    ready = self._ready
-                    ready.record(current)
-                    side.wait_event(ready)
-                    stream = self._side_raw
+            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
+                raise self.owner._give_up(seq, name, exc) from exc
+            groups = self._groups
+            group = groups.get(_thread_id()) if groups else None
+            if group is not None:
+                self._join_group(group, stream, raw)
+            handle = raw.cuda_stream
+            try:
                 if count:  # NCCL's calls, spelled out: no argument tuple, no lookup by name
                     if kind is _ALL_REDUCE:
                         ptr = output.data_ptr()
-                        comm.allReduce(ptr, ptr, count, dtype, code, stream)
+                        comm.allReduce(ptr, ptr, count, dtype, code, handle)
                     elif kind is _BROADCAST:
                         ptr = output.data_ptr()
-                        comm.broadcast(ptr, ptr, count, dtype, arg, stream)
+                        comm.broadcast(ptr, ptr, count, dtype, arg, handle)
                     elif kind is _ALL_GATHER:
-                        comm.allGather(input.data_ptr(), output.data_ptr(), count, dtype, stream)
+                        comm.allGather(input.data_ptr(), output.data_ptr(), count, dtype, handle)
                     else:
-                        comm.reduceScatter(input.data_ptr(), output.data_ptr(), count, dtype, code, stream)
-                if watched is not None:
-                    if async_op:
-                        event = torch.cuda.Event()  # the Work's own: never pooled
-                    else:
-                        event = self._watch.event()
-                        watched.pooled = True
-                    event.record(current if side is None else side)
-                    watched.event = event
+                        comm.reduceScatter(input.data_ptr(), output.data_ptr(), count, dtype, code, handle)
             except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
-                raise self.owner._give_up(seq, name, exc) from exc
+                raise self._refused(comm, exc, watched, raw, seq, name) from exc
+            if group is None:
+                free = self._free  # the watchdog's pool (Watchdog.event, inline)
+                event = free.pop() if free else self._watch.event()
+                self.record_event(event, raw)
+                watched[EVENT] = event
+            else:
+                group.records.append(watched)  # its event once the group is launched
         finally:
             lane.busy = False
+            if profiled is not None:
+                _exit(profiled)
         if not async_op:
             return None
-        if result is None:
-            result = [output]
-        if watched is None:  # captured: complete the future on the capturing stream now
-            future = self._future(self.device)
-            future.set_result(result)
-            return StreamWork(self, None, result, name, seq, future)
-        return StreamWork(self, watched.event, result, name, seq)
+        work = StreamWork(self, watched, [output] if result is None else result)
+        if self._python_work or group is not None:
+            return work
+        return _compat.work_from_future(work.get_future())
 
-    def completed(self, result: list) -> torch.futures.Future:
-        """A CUDA-aware future with ``result``, completed on the group's stream (its event goes there)."""
+    def _captured(self, comm, kind, output, input, arg, count, async_op, result, current, seq, name):
+        """:meth:`start` during a CUDA graph capture: on the capturing stream, not watched (its event
+        would not be a real one), the future completed there now. Called with the lane busy."""
+        try:
+            comm.check_async_error()
+            if count:
+                handle = current.cuda_stream
+                dtype = self._dtypes[output.dtype]
+                if kind is _ALL_REDUCE:
+                    ptr = output.data_ptr()
+                    comm.allReduce(ptr, ptr, count, dtype, self._ops[arg], handle)
+                elif kind is _BROADCAST:
+                    ptr = output.data_ptr()
+                    comm.broadcast(ptr, ptr, count, dtype, arg, handle)
+                elif kind is _ALL_GATHER:
+                    comm.allGather(input.data_ptr(), output.data_ptr(), count, dtype, handle)
+                else:
+                    comm.reduceScatter(input.data_ptr(), output.data_ptr(), count, dtype, self._ops[arg], handle)
+        except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
+            owner = self.owner
+            if owner._error is not None:
+                raise owner._error from exc
+            raise CollectiveError(self._refusal_words(name, seq, exc)) from exc
+        if not async_op:
+            return None
+        result = [output] if result is None else result
         future = self._future(self.device)
-        side = self._side
-        if side is None:
-            future.set_result(result)
-            return future
+        future.set_result(result)
+        return StreamWork(self, None, result, future)
+
+    def _refused(self, comm, exc: BaseException, watched, stream, seq: int, name: str) -> BaseException:
+        """The error for an NCCL call that raised: the communicator's failure if it has one (an abort
+        ended the call, a peer died), else NCCL's refusal of this call, raised at the call as torch's
+        NCCL group raises it. The call's record completes after what is queued on ``stream``."""
+        owner = self.owner
+        if owner._error is not None:  # as any failure: the error-handling mode acts (an abort finishes)
+            return owner._give_up(seq, name, exc)
+        try:
+            comm.check_async_error()
+        except Exception as failure:  # noqa: BLE001 - the communicator's asynchronous error
+            return owner._give_up(seq, name, failure)
+        event = self._watch.event()
+        self.record_event(event, stream)  # nothing was enqueued: the record is done with the stream
+        watched[HELD] = ()
+        watched[EVENT] = event
+        return CollectiveError(self._refusal_words(name, seq, exc))
+
+    def _refusal_words(self, name: str, seq: int, exc: BaseException) -> str:
+        owner = self.owner
+        return (f"NCCL refused {name} (sequence number {seq}) on rank {owner.rank} ({self.device}): {exc}. "
+                f"It was not enqueued and the NCCL communicator is still usable (the error is raised at the "
+                f"call, as by torch's NCCL group); the other ranks may be waiting in this collective. Set "
+                f"NCCL_DEBUG=WARN to see NCCL's own report")
+
+    # ------------------------------------------------------------------ coalesced calls
+    def begin_group(self) -> None:
+        """Start a coalesced call in this thread: its collectives on this path, until :meth:`end_group`,
+        are one NCCL group, launched together (torch's NCCL group's coalesced collectives are one)."""
+        group = self._groups.get(_thread_id())
+        if group is None:
+            self._groups[_thread_id()] = _Group()
+        else:
+            group.depth += 1
+
+    def end_group(self) -> None:
+        """End this thread's coalesced call: launch its collectives (the outermost call's end does);
+        call under the engine's start lock (no other NCCL call between).
+
+        Raises:
+            CollectiveError: NCCL refused the group (nothing of it was enqueued).
+        """
+        group = self._groups.get(_thread_id())
+        if group is None:
+            return
+        group.depth -= 1
+        if group.depth:
+            return
+        del self._groups[_thread_id()]
+        if group.stream is not None:
+            self._launch(group)
+
+    def flush(self) -> None:
+        """Launch what the calling thread's coalesced call has started so far (the general path calls
+        this before its own NCCL calls, which must come after them)."""
+        group = self._groups.get(_thread_id())
+        if group is not None and group.stream is not None:
+            self._launch(group)
+
+    def _join_group(self, group: _Group, stream, raw) -> None:
+        """Open ``group``'s NCCL group on ``stream``, unless it is open there (one open on another
+        stream is launched first)."""
+        if group.stream != stream:
+            if group.stream is not None:
+                self._launch(group)
+            self._nccl.groupStart()
+            group.stream, group.raw, group.event = stream, raw, self._watch.event()
+
+    def _launch(self, group: _Group) -> None:
+        """``ncclGroupEnd()``: the open group's collectives, one launch; then its event, for every record."""
+        records, event, raw = group.records, group.event, group.raw
+        group.stream, group.raw, group.event, group.records = None, None, None, []
+        lane = self._lane
+        lane.busy = True
+        try:
+            try:
+                self._nccl.groupEnd()
+            except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
+                error = self.owner._error or CollectiveError(
+                    self._refusal_words(f"a coalesced call of {len(records)} collectives", records[-1].seq
+                                        if records else 0, exc))
+            else:
+                error = None
+            self.record_event(event, raw)
+            for watched in records:
+                if error is not None:
+                    watched[HELD] = ()
+                watched[EVENT] = event
+        finally:
+            lane.busy = False
+        if error is not None:
+            raise error
+
+    def completed(self, result: list, stream) -> torch.futures.Future:
+        """A CUDA-aware future with ``result``, completed on ``stream`` (the key of the collective's
+        stream: the future's event goes there)."""
+        future = self._future(self.device)
         streams = self.streams
         key = streams.current()[0]
-        streams.make_current(self._side_key)
+        if key == stream:
+            future.set_result(result)
+            return future
+        streams.make_current(stream)
         try:
             future.set_result(result)
         finally:

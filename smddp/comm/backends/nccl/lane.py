@@ -47,6 +47,8 @@ class Lane:
         index: the CUDA device index (set in every thread that calls CUDA for it).
         comm: the NCCL communicator (CuPy's), None once taken for an abort or a destroy.
         side: the group's own stream, or None (collectives on the caller's current stream).
+        ready: the event the group's stream waits on for the caller's (recorded again for each
+            collective, as torch's NCCL group caches its own: one the engine's start lock serves).
         barrier_buf: one float32 element on ``device``, reduced by barriers.
         streams: the calling thread's current stream on ``device``, asked cheaply
             (:class:`smddp._compat.CudaStreams`).
@@ -56,6 +58,7 @@ class Lane:
         self.comm, self.device, self.index = comm, device, index
         with torch.cuda.device(index):
             self.side = torch.cuda.Stream(device) if side_stream else None
+            self.ready = torch.cuda.Event() if side_stream else None
             self.barrier_buf = torch.zeros(1, dtype=torch.float32, device=device)
         self.streams = _compat.CudaStreams(index)
         self._calls = 0
@@ -72,10 +75,14 @@ class Lane:
         collective captured there is part of the graph, and no other stream joins the capture.
         """
         current = self.streams.current()[1]
-        if self.side is None or self.streams.capturing():
+        side = self.side
+        if side is None or self.streams.capturing():
             return current
-        self.side.wait_stream(current)  # an event on the producer's stream, waited on by the group's
-        return self.side
+        # An event on the producer's stream, waited on by the group's: the lane's own, recorded again
+        # (Stream.wait_stream would make a new one per collective).
+        _compat.record_event(self.ready, current)
+        _compat.wait_event(self.ready, side)
+        return side
 
     def enter(self):
         """Start a host call into the communicator: it, or None once it was taken. Call :meth:`leave` after."""

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from smddp import _compat
 from smddp.comm.backends.nccl.watchdog import relax_capture_mode
 from smddp.comm.base import Pending, poll
 
@@ -45,8 +46,8 @@ class StreamOrdered(Pending):
     def queue_after(self, action) -> bool:
         with torch.cuda.device(self._lane.index), torch.cuda.stream(self._stream):
             action()
-        event = torch.cuda.Event()
-        event.record(self._stream)
+        event = self._owner._watch.event()  # from the pool, back in it once nothing refers to it
+        _compat.record_event(event, self._stream)
         # What the action touches (a list's tensors, a non-contiguous tensor) is held until it ran.
         self._owner._watch.follow(self._watched, event, action)
         self.event = event

@@ -8,16 +8,19 @@ after each operation against the operation's deadline. An operation is watched f
 *before* its NCCL call: a call that blocks the host (NCCL connects to peers lazily, inside
 the first operation with each) expires like a stalled kernel.
 
-Each record also holds every tensor the operation's stream reads or writes (``held``) until
+Each record (a list: :data:`SEQ` says what it holds) also holds every tensor the operation's
+stream reads or writes (:data:`HELD`) until
 its event completes, as torch's NCCL group stashes them: a tensor the caller drops meanwhile
 is not handed back to the caching allocator while NCCL still uses its memory. An operation on
-the caller's own current stream holds nothing: the allocator orders reuse on that stream.
+the caller's own current stream holds nothing: the allocator orders reuse on that stream. A
+``wait()`` lets go earlier, as torch's unstashes: the caller's stream then waits for the
+operation (:class:`~smddp.comm.backends.nccl.direct.StreamWork`). A look lets go of what every
+completed record holds, on every stream, not only of the records before the oldest one in flight.
 
 The callers' path takes no lock: a record is appended to a deque, which only the watchdog's
 thread pops. The thread looks at the oldest records only: it takes the completed ones off in
 order and reads the deadline of the oldest one left (a later operation started later, so its
-deadline is later); it queries events holding no lock. Events of synchronous operations are
-kept in a pool (:meth:`Watchdog.event`) and recorded again once done, as torch caches its own.
+deadline is later); it queries events holding no lock.
 
 A look queries one event per stream, not one per operation: a record names its stream, and
 the thread first asks the newest record of each stream; once that one is complete, every
@@ -26,6 +29,11 @@ taken off unasked. This holds because callers make records and record their even
 operation at a time (the engine's start lock), so on one stream records are numbered in the
 order their events were recorded. A record with no stream is asked itself. Thousands of small
 collectives between two looks then cost the thread two queries, not thousands.
+
+Every event comes from a pool (:meth:`Watchdog.event`), as torch's NCCL group takes its events
+from a cache, and goes back to it once its record has completed and nothing else refers to it
+(the collective's ``Work``, a general-path operation): the thread counts the references, as
+torch's cache returns an event when the last shared pointer to it goes.
 
 An operation enqueued during a CUDA graph capture is not watched (as torch's are not): its
 event would not be a real one. The thread sets its CUDA capture mode to *relaxed* when it
@@ -46,6 +54,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import sys
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -61,6 +70,15 @@ POOL = 4096
 BUSY_POLL = 0.005
 
 _monotonic = time.monotonic
+
+
+def _references(items: list) -> List[int]:
+    """How many references each of ``items`` has, counted the same way for every caller."""
+    return [sys.getrefcount(item) for item in items]
+
+
+#: What :func:`_references` counts for an object that only its list refers to.
+_UNSHARED = _references([object()])[0]
 
 #: ``CU_STREAM_CAPTURE_MODE_RELAXED`` (cuda.h's ``CUstreamCaptureMode``).
 _RELAXED = 2
@@ -91,30 +109,24 @@ def relax_capture_mode() -> bool:
     return done
 
 
-class Watched:
-    """One NCCL operation under a deadline.
+#: The record of one NCCL operation under a deadline is a list, indexed by these (a list costs a
+#: quarter of an object with these seven attributes, on the path of every NCCL call):
+#:
+#: - ``SEQ``: the collective's sequence number; ``OP_NAME``: what was called;
+#: - ``DEADLINE``: ``time.monotonic()`` by which it must complete;
+#: - ``EVENT``: the CUDA event recorded after it; None while its NCCL call has not returned;
+#: - ``HELD``: what its stream uses (tensors, and the steps queued after it), kept until ``EVENT``
+#:   completes or a wait orders the caller's stream after it;
+#: - ``STREAM``: the key of the stream ``EVENT`` is recorded on (hashable), or None;
+#: - ``N``: the record's number: records are numbered in the order they are made.
+SEQ, OP_NAME, DEADLINE, EVENT, HELD, STREAM, N = range(7)
+#: A record (see :data:`SEQ` and the rest).
+Watched = list
 
-    Attributes:
-        seq: the collective's sequence number.
-        op_name: what was called.
-        deadline: ``time.monotonic()`` by which it must complete.
-        event: the CUDA event recorded after it; None while its NCCL call has not returned.
-        held: what its stream uses (tensors, and the steps queued after it), kept until
-            ``event`` completes.
-        pooled: ``event`` goes back to the watchdog's pool once it completes.
-        stream: the key of the stream ``event`` is recorded on (hashable), or None.
-        n: the record's number: records are numbered in the order they are made.
-    """
 
-    __slots__ = ("seq", "op_name", "deadline", "event", "held", "pooled", "stream", "n")
-
-    def __init__(self, seq: int, op_name: str, deadline: float, held: Any = (), stream: Any = None, n: int = 0):
-        self.seq, self.op_name, self.deadline, self.event, self.held = seq, op_name, deadline, None, held
-        self.pooled, self.stream, self.n = False, stream, n
-
-    def done(self) -> bool:
-        """True once the GPU has finished the operation."""
-        return self.event is not None and self.event.query()
+def record(seq: int, op_name: str, deadline: float, held: Any = (), stream: Any = None, n: int = 0) -> Watched:
+    """A record of an operation whose event is not recorded yet."""
+    return [seq, op_name, deadline, None, held, stream, n]
 
 
 class Watchdog:
@@ -142,8 +154,9 @@ class Watchdog:
         self._stopped = False
         self._expiring = False  # expire() is running: drain() waits for its abort to finish
         self.expired = False
-        #: Events of completed operations, for :meth:`event`.
+        #: Events of completed operations, for :meth:`event`; those something may still refer to.
         self._free: List[Any] = []
+        self._lent: List[Any] = []
         #: Stream key to the newest record made on that stream (see the module docstring).
         self._newest: Dict[Any, Watched] = {}
         self._numbers = itertools.count(1)
@@ -153,7 +166,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the callers' side
     def start(self, seq: int, op_name: str, held: Any = (), stream: Any = None) -> Watched:
-        """Watch an operation about to be enqueued; set its ``event`` once it is.
+        """Watch an operation about to be enqueued; set the record's :data:`EVENT` once it is.
 
         Make one operation's record and record its event before the next one's (the engine's
         start lock does).
@@ -168,8 +181,8 @@ class Watchdog:
         Returns:
             The record; the operation counts as in flight until its event completes.
         """
-        watched = Watched(seq, op_name, _monotonic() + self.timeout, held, stream, next(self._numbers))
-        if stream is not None:  # _add(), inline: on the path of every NCCL call
+        watched = [seq, op_name, _monotonic() + self.timeout, None, held, stream, next(self._numbers)]  # record()
+        if stream is not None:  # _add(), inline
             self._newest[stream] = watched
         self._inflight.append(watched)
         if self._idle:
@@ -181,20 +194,20 @@ class Watchdog:
     def follow(self, watched: Watched, event, held: Any) -> Watched:
         """Watch a step queued after ``watched`` on its stream (a copy back): same operation and
         deadline, ``event`` recorded after the step, ``held`` kept until then."""
-        after = Watched(watched.seq, watched.op_name, watched.deadline, held, watched.stream, next(self._numbers))
-        after.event = event
+        after = record(watched[SEQ], watched[OP_NAME], watched[DEADLINE], held, watched[STREAM], next(self._numbers))
+        after[EVENT] = event
         self._add(after)
         return after
 
     def event(self):
-        """A CUDA event to record after an operation, from the pool: give it to a record with
-        ``pooled`` set, and the watchdog takes it back once it has completed."""
+        """A CUDA event to record after an operation, from the pool: give it to the operation's record,
+        and the watchdog takes it back once the record has completed and nothing else refers to it."""
         free = self._free
         return free.pop() if free else torch.cuda.Event()
 
     def _add(self, watched: Watched) -> None:
-        if watched.stream is not None:
-            self._newest[watched.stream] = watched
+        if watched[STREAM] is not None:
+            self._newest[watched[STREAM]] = watched
         self._inflight.append(watched)
         if self._idle:
             self._wake.set()
@@ -240,9 +253,11 @@ class Watchdog:
             if failed is not None:
                 self._give_up(failed, error)
                 return
+            self._recycle()
             with self._passed:
                 self._passed.notify_all()
-            empty = 0 if inflight else empty + 1
+            # Events that Works still hold are looked at again until they come back: no sleep meanwhile.
+            empty = 0 if inflight or self._lent else empty + 1
             if empty < 2:
                 # Callers do not wake the thread while it polls (a wake-up per call would take the
                 # GIL from them): a record waits at most POLL for its first look.
@@ -259,37 +274,55 @@ class Watchdog:
     def _look(self):
         """Take completed operations off, oldest first; return the one past its deadline (and
         None) or the one an asynchronous error fails (and the error), else ``(None, None)``."""
-        inflight, free = self._inflight, self._free
+        inflight, lent = self._inflight, self._lent
         self._taken = 0
         try:
             self._check()
         except Exception as exc:  # noqa: BLE001 - NCCL's error, reported through expire()
-            return (inflight[0] if inflight else Watched(0, "an operation in flight", 0.0)), exc
+            return (inflight[0] if inflight else record(0, "an operation in flight", 0.0)), exc
         # Each stream's newest record, asked first: records numbered up to it on that stream are
         # done too. One made after this snapshot has a higher number: it is asked itself.
         done_upto = {}
         newest = self._newest
         for stream, last in list(newest.items()):
-            event = last.event
+            event = last[EVENT]
             if event is not None and event.query():
-                done_upto[stream] = last.n
+                done_upto[stream] = last[N]
                 if newest.get(stream) is last:  # nothing newer on it: forget the stream (a caller
                     del newest[stream]          # racing this only costs its record a query)
         while inflight:
             oldest = inflight[0]
-            event = oldest.event
+            event = oldest[EVENT]
             # No lock held: the callers never wait on a query.
-            if event is not None and (oldest.n <= done_upto.get(oldest.stream, 0) or event.query()):
+            if event is not None and (oldest[N] <= done_upto.get(oldest[STREAM], 0) or event.query()):
                 inflight.popleft()
                 self._taken += 1
-                oldest.held = ()  # the stream is done with them: the allocator may have them back
-                if oldest.pooled and len(free) < POOL:
-                    free.append(event)
+                oldest[HELD] = ()  # the stream is done with them: the allocator may have them back
+                lent.append(event)  # back to the pool once nothing refers to it (_recycle)
                 continue
-            if time.monotonic() > oldest.deadline:
+            if time.monotonic() > oldest[DEADLINE]:
                 return oldest, None
+            if any(stream != oldest[STREAM] for stream in done_upto):
+                # Another stream has finished records made after this one: what they hold goes now,
+                # not in issue order behind a collective of another stream (a snapshot: callers append).
+                for later in list(inflight):
+                    if later[HELD] and later[EVENT] is not None and later[N] <= done_upto.get(later[STREAM], 0):
+                        later[HELD] = ()
             break
         return None, None
+
+    def _recycle(self) -> None:
+        """Put back in the pool the events of completed records that nothing refers to any more."""
+        lent = self._lent
+        if not lent:
+            return
+        free, keep = self._free, []
+        for event, count in zip(lent, _references(lent)):
+            if count > _UNSHARED:  # a Work or an operation still refers to it
+                keep.append(event)
+            elif len(free) < POOL:
+                free.append(event)
+        self._lent = keep[-POOL:]  # events Works keep for ever go with their Works
 
     def _give_up(self, failed: Watched, error: Optional[BaseException]) -> None:
         self.expired = self._stopped = self._expiring = True

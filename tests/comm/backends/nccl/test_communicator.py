@@ -22,6 +22,7 @@ from nccl_standin import install
 
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl.communicator import NCCL_2_10
+from smddp.comm.backends.nccl.watchdog import HELD
 from smddp.comm.base import ARITHMETIC, Context, Op
 from smddp.comm.engine import Engine
 from smddp.comm.engine.handle import _cpp_future
@@ -331,10 +332,10 @@ def test_every_tensor_the_stream_touches_is_held_until_it_is_done(monkeypatch):
         engine.all_gather(slots, seeded(r, (3,), torch.float32, 0), async_op=True).wait()
         engine.all_reduce(strided, Op.SUM, async_op=True).wait()
         records = list(nccl_comm._watch._inflight)
-        held = set().union(*(_storages(w.held) for w in records))
+        held = set().union(*(_storages(w[HELD]) for w in records))  # a record is a list (watchdog.HELD)
         opened.set()
         drained = nccl_comm._watch.drain()
-        return mine - held, drained, [w.held for w in records]
+        return mine - held, drained, [w[HELD] for w in records]
 
     for missing, drained, after in run_ranks(fake, 2, body).values():
         assert not missing, "a tensor the stream writes was not held"

@@ -20,13 +20,14 @@ import torch
 from nccl_ranks import JOIN, expected_reduce, gate, run_ranks, seeded
 from nccl_standin import HostStream, install
 
+from smddp import _compat
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import pending
 from smddp.comm.backends.nccl.direct import StreamWork
-from smddp.comm.backends.nccl.watchdog import Watchdog
+from smddp.comm.backends.nccl.watchdog import DEADLINE, EVENT, HELD, SEQ, Watchdog
 from smddp.comm.base import Op, Pending
 from smddp.comm.engine import Handle
-from smddp.errors import WaitTimeout
+from smddp.errors import CollectiveError, WaitTimeout
 from smddp.torch.process_group import SmddpProcessGroup
 
 pytestmark = pytest.mark.unit  # in-process, no job started: the fast tier
@@ -66,10 +67,10 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
             t = seeded(r, (3, 4), dtype, i)
             assert engine.all_reduce(t, op) is None
             got.append(t)
-        records = [w for w in nccl_comm._watch._inflight if w.seq >= first]
+        records = [w for w in nccl_comm._watch._inflight if w[SEQ] >= first]
         after = (len(handles), len(pendings), side.enqueued, mine.enqueued)
         mine.synchronize()
-        return got, before, after, [w.held for w in records], engine._inflight
+        return got, before, after, [w[HELD] for w in records], engine._inflight
 
     results = run_ranks(fake, 2, body)
     for r in range(2):
@@ -302,17 +303,17 @@ class _Event:
 
 def test_the_watchdog_takes_completed_records_in_order_and_reads_the_oldest_deadline():
     expired = []
-    watch = Watchdog(60.0, lambda watched, error: expired.append((watched.seq, error)), lambda: None)
+    watch = Watchdog(60.0, lambda watched, error: expired.append((watched[SEQ], error)), lambda: None)
     first = watch.start(1, "all_reduce", held=("first's tensor",))
     second = watch.start(2, "all_reduce", held=("second's tensor",))
-    first.event, second.event = _Event(), _Event(done=True)
+    first[EVENT], second[EVENT] = _Event(), _Event(done=True)
     assert watch._look() == (None, None)
     # the second completed first: it stays until the first does, and its event is not even asked
-    assert list(watch._inflight) == [first, second] and second.event.queries == 0
-    first.event.done = True
-    assert watch._look() == (None, None) and not watch._inflight and first.held == second.held == ()
+    assert list(watch._inflight) == [first, second] and second[EVENT].queries == 0
+    first[EVENT].done = True
+    assert watch._look() == (None, None) and not watch._inflight and first[HELD] == second[HELD] == ()
     third = watch.start(3, "broadcast")
-    third.event, third.deadline = _Event(), time.monotonic() - 1  # past its deadline
+    third[EVENT], third[DEADLINE] = _Event(), time.monotonic() - 1  # past its deadline
     assert watch._look() == (third, None)
     watch.stop()
 
@@ -323,27 +324,27 @@ def test_a_look_asks_each_stream_its_newest_event_and_takes_the_older_ones_off_u
     on_b = watch.start(4, "all_reduce", stream="b")
     unnamed = watch.start(5, "all_reduce")
     for record in on_a:
-        record.event = _Event(done=True)
-    on_b.event, unnamed.event = _Event(), _Event(done=True)
+        record[EVENT] = _Event(done=True)
+    on_b[EVENT], unnamed[EVENT] = _Event(), _Event(done=True)
     assert watch._look() == (None, None)
     # stream a: its newest asked, once; the two before it taken off without a query of their own
-    assert [r.event.queries for r in on_a] == [0, 0, 1] and all(r.held == () for r in on_a)
+    assert [r[EVENT].queries for r in on_a] == [0, 0, 1] and all(r[HELD] == () for r in on_a)
     # stream b's newest is not done: it stays, and what follows it waits behind it, unasked
-    assert list(watch._inflight) == [on_b, unnamed] and on_b.event.queries == 2 and unnamed.event.queries == 0
+    assert list(watch._inflight) == [on_b, unnamed] and on_b[EVENT].queries == 2 and unnamed[EVENT].queries == 0
     # a record whose stream's newest is still in flight is asked itself
     later_a = watch.start(6, "all_reduce", stream="a")
-    on_b.event.done = True
+    on_b[EVENT].done = True
     assert watch._look() == (None, None)
-    assert list(watch._inflight) == [later_a] and unnamed.event.queries == 1
+    assert list(watch._inflight) == [later_a] and unnamed[EVENT].queries == 1
     # a stream's newest without its event yet (its NCCL call has not returned) proves nothing
     before = watch.start(7, "all_reduce", stream="a")
-    later_a.event, before.event = _Event(), _Event()
+    later_a[EVENT], before[EVENT] = _Event(), _Event()
     newest = watch.start(8, "all_reduce", stream="a")
     assert watch._look() == (None, None) and list(watch._inflight) == [later_a, before, newest]
-    later_a.event.done = before.event.done = True
+    later_a[EVENT].done = before[EVENT].done = True
     assert watch._look() == (None, None) and list(watch._inflight) == [newest]
     # asked themselves: the oldest at both looks, the next once the oldest was done
-    assert (later_a.event.queries, before.event.queries, newest.event) == (2, 1, None)
+    assert (later_a[EVENT].queries, before[EVENT].queries, newest[EVENT]) == (2, 1, None)
     watch.stop()
 
 
@@ -381,7 +382,8 @@ def test_collectives_captured_in_a_cuda_graph_replay_with_the_right_results(monk
 
 
 class _Held(Pending):
-    """An operation of the general path that completes when a test says so."""
+    """An operation of the general path that completes when a test says so (another communicator's:
+    a CPU one, say, which the host moves)."""
 
     done = False
 
@@ -389,9 +391,16 @@ class _Held(Pending):
         return self.done
 
 
+class _HeldOnStream(_Held):
+    """A stream-ordered operation of the general path (the NCCL communicator's own), held in flight."""
+
+    def query(self) -> bool:
+        return self.done
+
+
 def test_what_the_direct_path_cannot_take_goes_the_general_way_in_issue_order(monkeypatch):
-    """Converted dtypes (bool), strided tensors, a general-path collective still in flight: the
-    general path, whose handles complete in issue order."""
+    """Converted dtypes (bool), strided tensors, and anything behind this communicator's own general
+    path in flight: the general path, whose handles complete in issue order."""
     fake = install(monkeypatch)
 
     def body(r, engine, nccl_comm):
@@ -401,7 +410,7 @@ def test_what_the_direct_path_cannot_take_goes_the_general_way_in_issue_order(mo
         kinds["bool"] = type(engine.all_reduce(b, Op.SUM, async_op=True))
         strided = seeded(r, (4, 2), torch.float32, 5).t()
         kinds["strided"] = type(engine.all_reduce(strided, Op.SUM, async_op=True))
-        held = _Held()  # a collective of the general path still in flight (a CPU one, say)
+        held = _HeldOnStream()  # a collective of this communicator's general path still in flight
         first = engine.run("held", lambda seq: held, async_op=True)
         kinds["behind one in flight"] = type(engine.all_reduce(torch.ones(2), Op.SUM, async_op=True))
         held.done = True
@@ -414,3 +423,182 @@ def test_what_the_direct_path_cannot_take_goes_the_general_way_in_issue_order(mo
         assert kinds == {"bool": Handle, "strided": Handle, "behind one in flight": Handle, "after": StreamWork}
         assert torch.equal(b, expected_reduce(2, (7,), torch.bool, Op.SUM, 4))
         assert torch.equal(strided, expected_reduce(2, (4, 2), torch.float32, Op.SUM, 5).t())
+
+
+def test_another_communicators_operation_in_flight_leaves_the_direct_path_on(monkeypatch):
+    """An asynchronous CPU all-reduce of a metric in flight (another communicator's, completed by the
+    host) does not send the GPU's collectives to the general path, nor does DDP's end of backward then
+    wait: they still take the direct path, nothing tracked, their results right."""
+    fake = install(monkeypatch)
+    handles = _count_new(monkeypatch, Handle)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        metric = _Held()
+        pending = engine.run("all_reduce (a metric on the CPU)", lambda seq: metric, async_op=True)
+        made = len(handles)
+        t, u = seeded(r, (5,), torch.float32, 60), seeded(r, (4,), torch.float64, 61)
+        engine.all_reduce(t, Op.SUM)
+        work = engine.all_reduce(u, Op.MAX, async_op=True)
+        kinds = (type(work), len(handles) - made, pending.is_completed())
+        work.wait()
+        metric.done = True
+        pending.wait()
+        torch.cuda.current_stream().synchronize()
+        return kinds, t, u
+
+    # timeout: a synchronous all-reduce that waited behind the metric would wait for ever
+    for r, (kinds, t, u) in run_ranks(fake, 2, body, timeout=5.0).items():
+        assert kinds == (StreamWork, 0, False), (r, kinds)
+        assert torch.equal(t, expected_reduce(2, (5,), torch.float32, Op.SUM, 60)), r
+        assert torch.equal(u, expected_reduce(2, (4,), torch.float64, Op.MAX, 61)), r
+
+
+def test_under_the_profiler_the_direct_path_records_its_own_events(monkeypatch):
+    """torch.profiler recording does not turn the direct path off: each collective is still enqueued
+    with nothing tracked, and the profiler sees it as the general path shows it (smddp:<collective>,
+    with its input's shape)."""
+    fake = install(monkeypatch)
+    handles = _count_new(monkeypatch, Handle)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        made = len(handles)
+        t = seeded(r, (3, 2), torch.float32, 62)
+        gathered = torch.zeros(5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            engine.all_reduce(t, Op.SUM)
+            engine.all_gather_into_tensor(gathered, seeded(r, (5,), torch.float32, 63), async_op=True).wait()
+        events = [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("smddp:")]
+        torch.cuda.current_stream().synchronize()
+        return len(handles) - made, events, t, gathered
+
+    # one rank: torch's profiler is the process's, and two sessions at once (ranks as threads) crash it
+    new_handles, events, t, gathered = run_ranks(fake, 1, body)[0]
+    assert new_handles == 0  # the direct path: no engine handle, profiled or not
+    assert events == [("smddp:all_reduce", [[3, 2]]), ("smddp:all_gather_into_tensor", [[5]])], events
+    assert torch.equal(t, seeded(0, (3, 2), torch.float32, 62))
+    assert torch.equal(gathered, seeded(0, (5,), torch.float32, 63))
+
+
+def test_with_the_current_stream_a_future_completes_on_the_collectives_stream(monkeypatch):
+    """SMDDP_NCCL_STREAM=current: an asynchronous collective runs on the stream current at the call;
+    its future, asked for once another stream is current, still completes on the collective's (its
+    event must follow the collective, not whatever the other stream runs)."""
+    monkeypatch.setenv("SMDDP_NCCL_STREAM", "current")
+    fake = install(monkeypatch, deferred=True)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        called_on = torch.cuda.current_stream()
+        t = seeded(r, (4,), torch.float32, 64)
+        work = engine.all_reduce(t, Op.SUM, async_op=True)
+        elsewhere = HostStream(fake, deferred=True)
+        fake.current.stream = elsewhere  # the caller moves on to another stream, then asks
+        future = work.get_future()
+        fake.current.stream = called_on
+        called_on.synchronize()
+        elsewhere.close()
+        return nccl_comm._lane.side, future.completed_on is called_on, future.completed_on is elsewhere, t
+
+    for r, (side, on_collectives, on_elsewhere, t) in run_ranks(fake, 2, body).items():
+        assert side is None  # no stream of the group's own in this mode
+        assert on_collectives and not on_elsewhere, r
+        assert torch.equal(t, expected_reduce(2, (4,), torch.float32, Op.SUM, 64)), r
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_coalesced_call_is_one_grouped_launch(monkeypatch, size):
+    """torch's coalesced all-reduce, all-gather into tensors and reduce-scatter of tensors: one
+    ncclGroupStart/ncclGroupEnd each, not a launch per tensor; a tensor only the general path takes
+    (bool) launches after the group of those before it. Every rank's results right."""
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        group = SmddpProcessGroup(engine, r, size)
+        launched = len(fake.launches)  # the ranks' launches, interleaved: each rank reads its own
+        floats = [seeded(r, (4,), torch.float32, 80 + i) for i in range(3)]
+        group.allreduce_coalesced(floats, torch.distributed.AllreduceCoalescedOptions()).wait()
+        outs = [torch.zeros(size * 2, dtype=torch.float64) for _ in range(2)]
+        ins = [seeded(r, (2,), torch.float64, 85 + i) for i in range(2)]
+        group.allgather_into_tensor_coalesced(outs, ins).wait()
+        scattered = [torch.zeros(3) for _ in range(2)]
+        full = [seeded(r, (3 * size,), torch.float32, 88 + i) for i in range(2)]
+        options = torch.distributed.ReduceScatterOptions()
+        options.reduceOp = torch.distributed.ReduceOp.MAX
+        group.reduce_scatter_tensor_coalesced(scattered, full, options).wait()
+        mixed = [seeded(r, (2,), torch.float32, 90), seeded(r, (2,), torch.float32, 91),
+                 seeded(r, (3,), torch.int32, 92) > 0]
+        group.allreduce_coalesced(mixed, torch.distributed.AllreduceCoalescedOptions()).wait()
+        torch.cuda.current_stream().synchronize()
+        return [names for rank, names in fake.launches[launched:] if rank == r], floats, outs, scattered, mixed
+
+    for r, (launches, floats, outs, scattered, mixed) in run_ranks(fake, size, body).items():
+        assert launches[:3] == [["allReduce"] * 3, ["allGather"] * 2, ["reduceScatter"] * 2], (r, launches)
+        assert launches[3:] == [["allReduce"] * 2, ["allReduce"]], (r, launches)  # the group, then bool's
+        for i, t in enumerate(floats):
+            assert torch.equal(t, expected_reduce(size, (4,), torch.float32, Op.SUM, 80 + i)), (r, i)
+        for i, out in enumerate(outs):
+            assert torch.equal(out, torch.cat([seeded(q, (2,), torch.float64, 85 + i) for q in range(size)]))
+        for i, out in enumerate(scattered):
+            want = expected_reduce(size, (3 * size,), torch.float32, Op.MAX, 88 + i)[3 * r:3 * r + 3]
+            assert torch.equal(out, want), (r, i)
+        for i in range(2):
+            assert torch.equal(mixed[i], expected_reduce(size, (2,), torch.float32, Op.SUM, 90 + i)), (r, i)
+        assert torch.equal(mixed[2], torch.stack([seeded(q, (3,), torch.int32, 92) > 0 for q in range(size)]).any(0))
+
+
+def test_a_groups_first_collective_inside_a_capture_is_refused_before_anything_is_made(monkeypatch):
+    """Making the NCCL communicator cannot be captured (its unique id goes through the store,
+    ncclCommInitRank is no kernel): the first collective inside a capture raises, saying to run one
+    before capturing, and nothing is made; after the capture the same call works on every rank."""
+    fake = install(monkeypatch)
+
+    def body(r, engine, nccl_comm):
+        torch.cuda.set_device(r)  # as a training script does (a capture needs CUDA initialized)
+        capture = HostStream(fake)
+        fake.current.stream = capture
+        t = seeded(r, (4,), torch.float32, 93)
+        with fake.capture(capture) as graph:
+            with pytest.raises(CollectiveError, match="Run one collective on the group before capturing") as err:
+                engine.all_reduce(t, Op.SUM)
+        made = (nccl_comm._lane, len(graph.nodes))
+        fake.current.stream = HostStream(fake)
+        engine.all_reduce(t, Op.SUM)
+        return str(err.value), made, t
+
+    for r, (message, (lane, captured), t) in run_ranks(fake, 2, body).items():
+        assert "during a CUDA graph capture" in message and f"rank {r}" in message, message
+        assert lane is None and captured == 0, r  # no communicator, nothing in the graph
+        assert torch.equal(t, expected_reduce(2, (4,), torch.float32, Op.SUM, 93)), r
+    assert len(fake.comms) == 2  # one each, made after the capture
+
+
+def test_on_torch_without_pywork_holder_an_asynchronous_call_returns_a_work_cpp_can_keep(monkeypatch):
+    """torch 2.4 to 2.6 keep only the C++ half of a Python Work that C++ (DDP's reducer) holds: there
+    the direct path returns a C++ Work made from the collective's CUDA-aware future (torch's
+    _create_work_from_future), complete at enqueue: its wait() is the future's, which orders the
+    caller's streams after the future's events on a GPU (torch's own, not the stand-in's)."""
+    monkeypatch.setattr(_compat, "PY_WORK_HOLDER", False, raising=False)
+    fake = install(monkeypatch, deferred=True)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        side = nccl_comm._lane.side
+        opened = gate(side)
+        t = seeded(r, (5,), torch.float32, 94)
+        work = engine.all_reduce(t, Op.SUM, async_op=True)
+        done = work.get_future().done()
+        (made, devices), = [(f, d) for f, d in list(fake.futures) if f.done() and f.value()[0] is t]  # this rank's
+        state = (type(work), isinstance(work, StreamWork), done, devices, made.completed_on is side, work.wait())
+        value = work.get_future().value()[0] is t
+        opened.set()
+        side.synchronize()
+        return state, value, t, nccl_comm._lane.device
+
+    for r, ((kind, python_work, done, devices, on_side, waited), value, t, device) in run_ranks(fake, 2, body).items():
+        assert kind is torch.distributed.Work and not python_work, (r, kind)  # C++'s own, no Python half
+        assert done and devices == [device] and on_side, r  # CUDA-aware, complete at enqueue, on the group's stream
+        assert waited and value, r
+        assert torch.equal(t, expected_reduce(2, (5,), torch.float32, Op.SUM, 94)), r

@@ -346,3 +346,50 @@ def test_an_error_creating_the_communicator_says_what_to_check(fake):
     for message in run_ranks(fake, 2, body).values():
         assert "NCCL could not create the communicator of rank" in message
         assert "Duplicate GPU detected" in message and "torch.cuda.set_device(local_rank)" in message
+
+
+@pytest.mark.unit
+def test_an_error_nccl_returns_from_a_call_is_raised_there_and_the_process_goes_on(monkeypatch):
+    """NCCL refusing a call (CuPy raises its NcclError from the call itself: an argument it refuses)
+    is raised at the call, as torch's NCCL group raises it: in torch's default mode (3), which ends
+    the process for a passed deadline or an asynchronous error, the process goes on, the
+    communicator is not aborted, nothing is left for the watchdog, and the ranks' next collectives
+    run. On the direct path, synchronous and not, and on the general path (a bool tensor)."""
+    monkeypatch.delenv("SMDDP_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    fake = install(monkeypatch)
+    ended = []
+    monkeypatch.setattr(failures, "end_process", lambda error, rank, mode: ended.append((str(error), rank)))
+    step = threading.Barrier(2, timeout=JOIN)
+
+    def body(r, engine, nccl_comm):
+        engine.all_reduce(torch.zeros(1), Op.SUM)  # the communicator exists
+        step.wait()
+        if r == 0:
+            fake.refuse = "NCCL_ERROR_INVALID_ARGUMENT: invalid argument"
+        step.wait()
+        refused = []
+        for call in (lambda: engine.all_reduce(torch.ones(3), Op.SUM),
+                     lambda: engine.all_reduce(torch.ones(3), Op.MAX, async_op=True),
+                     lambda: engine.all_reduce(torch.ones(3, dtype=torch.bool), Op.SUM)):
+            with pytest.raises(CollectiveError) as err:
+                call()
+            refused.append(str(err.value))
+        step.wait()
+        if r == 0:
+            fake.refuse = None
+        step.wait()
+        t, u = seeded(r, (4,), torch.float32, 5), seeded(r, (2,), torch.float64, 6)
+        engine.all_reduce(t, Op.SUM)
+        engine.all_reduce(u, Op.MIN, async_op=True).wait()
+        drained = nccl_comm._watch.drain()
+        return refused, t, u, drained, nccl_comm._error, nccl_comm._lane.comm is not None
+
+    for r, (refused, t, u, drained, error, alive) in run_ranks(fake, 2, body).items():
+        for message in refused:
+            assert "NCCL refused all_reduce (sequence number" in message, message
+            assert "invalid argument" in message and "still usable" in message, message
+        assert torch.equal(t, expected_reduce(2, (4,), torch.float32, Op.SUM, 5)), r
+        assert torch.equal(u, expected_reduce(2, (2,), torch.float64, Op.MIN, 6)), r
+        assert drained and error is None and alive, r
+    assert ended == [] and not any(c.aborted for c in fake.comms)
