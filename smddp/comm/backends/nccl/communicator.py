@@ -15,8 +15,9 @@ The default on CUDA machines. It does what torch's ProcessGroupNCCL does:
   bucket all-reduces overlap backward. ``current`` enqueues on the caller's current stream.
 - Memory: every tensor a collective's stream reads or writes (its buffers, the steps queued
   after it such as copies back into a non-contiguous tensor or a list) is held until the
-  CUDA event recorded after it completes (:mod:`smddp.comm.backends.nccl.watchdog`), so the
-  caching allocator never reuses memory NCCL still uses.
+  CUDA event recorded after it completes (:mod:`smddp.comm.backends.nccl.watchdog`), or on the
+  direct path until ``wait()`` orders the caller's stream after it (torch's unstash), so the
+  caching allocator never reuses memory NCCL still uses. Events come from the watchdog's pool.
 - Completion: a collective's :class:`Pending` is stream-ordered, with the contract of torch's
   NCCL ``Work.wait()``: ``test()`` is True at once and every wait makes the waiting thread's
   current stream wait on the collective's event; the host does not block (``query()`` and
