@@ -222,23 +222,30 @@ def inline(bench: Bench) -> Callable[[], None]:
     return lambda: tdist.all_reduce(t, group=group)
 
 
+def fake_backend():
+    """torch's ``FakeProcessGroup``, a C++ backend object whose collectives do nothing (world of one)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(0, 1, FakeProcessGroup.Options())
+
+
 def torchfake(bench: Bench) -> Callable[[], None]:
     """A torch ``ProcessGroup`` whose CPU tensors go to torch's ``FakeProcessGroup`` backend (C++)."""
     import torch
     import torch.distributed as tdist
-    from torch._C._distributed_c10d import FakeProcessGroup
 
-    backend = FakeProcessGroup._create_internal(0, 1, FakeProcessGroup.Options())
     group = tdist.ProcessGroup(tdist.HashStore(), 0, 1)
     kind = tdist.ProcessGroup.BackendType.CUSTOM
     group._set_default_backend(kind)
-    group._register_backend(torch.device("cpu"), kind, backend)
+    group._register_backend(torch.device("cpu"), kind, fake_backend())
     t = bench.tensor
     return lambda: tdist.all_reduce(t, group=group)
 
 
 #: The contenders, in the order each round times them: name to ``contender(bench) -> call``. Add one
-#: here (a function as those above) and it gets its ``HOSTCOST`` line and its ratios.
+#: here (a function as those above; :func:`fake_backend` gives a C++ backend object to hand tensors
+#: to) and it gets its ``HOSTCOST`` line and its ratios to ``null`` and ``torchfake``; a bar of its
+#: own goes in :data:`BARS`.
 CONTENDERS: Dict[str, Callable[[Bench], Callable[[], None]]] = {
     "sync": sync, "async": async_wait, "null": null, "args": args, "inline": inline, "torchfake": torchfake,
 }
