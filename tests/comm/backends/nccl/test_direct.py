@@ -40,15 +40,21 @@ def _opened(engine) -> None:
 
 
 def _count_new(monkeypatch, cls) -> list:
-    """A list that gets one entry per ``cls`` object made from now on."""
+    """A list that gets one entry per ``cls`` object made from now on: the name of the thread that
+    made it (the ranks are threads: :func:`_mine` counts the calling rank's)."""
     made, init = [], cls.__init__
 
     def counting(self, *args, **kwargs):
-        made.append(type(self).__name__)
+        made.append(threading.current_thread().name)
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "__init__", counting)
     return made
+
+
+def _mine(made: list) -> int:
+    """How many of ``made`` (:func:`_count_new`) the calling thread (rank) made."""
+    return made.count(threading.current_thread().name)
 
 
 def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_track(monkeypatch):
@@ -59,7 +65,7 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
     def body(r, engine, nccl_comm):
         _opened(engine)
         side, mine = nccl_comm._lane.side, torch.cuda.current_stream()
-        before = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+        before = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
         first = engine.seq + 1
         got = []
         for i, (dtype, op) in enumerate([(torch.float32, Op.SUM), (torch.bfloat16, Op.AVERAGE),
@@ -68,7 +74,7 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
             assert engine.all_reduce(t, op) is None
             got.append(t)
         records = [w for w in nccl_comm._watch._inflight if w[SEQ] >= first]
-        after = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+        after = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
         mine.synchronize()
         return got, before, after, [w[HELD] for w in records], engine._inflight
 
@@ -97,7 +103,7 @@ def test_broadcast_all_gather_and_reduce_scatter_take_the_direct_path(monkeypatc
         side, mine = nccl_comm._lane.side, torch.cuda.current_stream()
         got, kinds = {}, {}
         for async_op in (False, True):
-            before = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+            before = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
             b = seeded(r, (5,), torch.float64, 11) if r == size - 1 else torch.zeros(5, dtype=torch.float64)
             gathered = torch.zeros(size, 4, dtype=torch.bfloat16)
             scattered = torch.zeros(3, dtype=torch.float32)
@@ -107,7 +113,7 @@ def test_broadcast_all_gather_and_reduce_scatter_take_the_direct_path(monkeypatc
             works = [engine.broadcast(b, size - 1, async_op),
                      engine.all_gather_into_tensor(gathered, mine_g, async_op),
                      derived.reduce_scatter_tensor(engine, scattered, mine_s, Op.MAX, async_op=async_op)]
-            after = (len(handles), len(pendings), side.enqueued, mine.enqueued)
+            after = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
             for work in works:
                 if work is not None:
                     assert work.get_future().done()  # complete at enqueue, as torch's NCCL futures
@@ -238,14 +244,14 @@ def test_a_ddp_backward_never_waits_for_the_device(monkeypatch):
         opened = gate(side)
         timer = threading.Timer(10.0, opened.set)  # a host that waited for the device would wait this long
         timer.start()
-        made, futures = len(handles), len(fake.futures)
+        made, futures = _mine(handles), len(fake.futures)
         ddp(seeded(r, (5, 4), torch.float32, 2)).sum().backward()
         returned_first = not opened.is_set()
         opened.set()
         timer.cancel()
         side.synchronize()
         got = [p.grad.clone() for p in model.parameters()]
-        return returned_first, len(handles) - made, fake.futures[futures:], got, nccl_comm._lane.device
+        return returned_first, _mine(handles) - made, fake.futures[futures:], got, nccl_comm._lane.device
 
     results = run_ranks(fake, 2, body)
     per_rank = []
@@ -436,11 +442,11 @@ def test_another_communicators_operation_in_flight_leaves_the_direct_path_on(mon
         _opened(engine)
         metric = _Held()
         pending = engine.run("all_reduce (a metric on the CPU)", lambda seq: metric, async_op=True)
-        made = len(handles)
+        made = _mine(handles)
         t, u = seeded(r, (5,), torch.float32, 60), seeded(r, (4,), torch.float64, 61)
         engine.all_reduce(t, Op.SUM)
         work = engine.all_reduce(u, Op.MAX, async_op=True)
-        kinds = (type(work), len(handles) - made, pending.is_completed())
+        kinds = (type(work), _mine(handles) - made, pending.is_completed())
         work.wait()
         metric.done = True
         pending.wait()
@@ -463,7 +469,7 @@ def test_under_the_profiler_the_direct_path_records_its_own_events(monkeypatch):
 
     def body(r, engine, nccl_comm):
         _opened(engine)
-        made = len(handles)
+        made = _mine(handles)
         t = seeded(r, (3, 2), torch.float32, 62)
         gathered = torch.zeros(5)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -471,7 +477,7 @@ def test_under_the_profiler_the_direct_path_records_its_own_events(monkeypatch):
             engine.all_gather_into_tensor(gathered, seeded(r, (5,), torch.float32, 63), async_op=True).wait()
         events = [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("smddp:")]
         torch.cuda.current_stream().synchronize()
-        return len(handles) - made, events, t, gathered
+        return _mine(handles) - made, events, t, gathered
 
     # one rank: torch's profiler is the process's, and two sessions at once (ranks as threads) crash it
     new_handles, events, t, gathered = run_ranks(fake, 1, body)[0]
