@@ -29,6 +29,9 @@ on a 256-element float32 tensor, all through ``torch.distributed.all_reduce``:
 - ``torchfake``: ``all_reduce(t)`` on a torch ``ProcessGroup`` whose CPU backend is torch's
   ``FakeProcessGroup`` (a C++ backend that does nothing): torch's own dispatch to a C++ backend, the
   route torch's NCCL group takes; the issue's bars are against it.
+- ``delegate``: ``all_reduce(t)`` on smddp's delegated route (the default on GPUs,
+  :mod:`smddp.torch.delegating_group`) handing the tensor to that same ``FakeProcessGroup`` object:
+  what smddp's group adds to torch's backend where it delegates (bar: at most 1.0x ``torchfake``).
 
 Each round times ``--iters`` calls of each contender in turn (CPU time of the whole process,
 ``time.process_time``: the watchdog's and any other thread's too); each line is the median over
@@ -40,9 +43,11 @@ rounds of the CPU time per call, in microseconds::
     HOSTCOST args <us>
     HOSTCOST inline <us>
     HOSTCOST torchfake <us>
+    HOSTCOST delegate <us>
 
 followed by the ratios to ``null`` and to ``torchfake``, medians of the within-round ratios (with the
-bars of issue 51 where it sets one: ``sync`` at most 1.5x ``torchfake``, ``async`` 2.2x), and the NCCL
+bars of issue 51 where it sets one: ``sync`` at most 1.5x ``torchfake``, ``async`` 2.2x, ``delegate``
+1.0x), and the NCCL
 watchdog's event queries per smddp call (its thread's share of the host's cost, which the medians of short
 rounds mostly miss: it looks every 50 ms). ``benchmarks/gpu_call_cost.py`` measures the same
 path on a GPU host.
@@ -99,6 +104,7 @@ class Bench:
         future = torch.futures.Future()
         future.set_result([])
         self.done = torch._C._distributed_c10d._create_work_from_future(future)
+        self.keep: list = []  # what contenders made and close with the bench
 
     def open(self) -> None:
         """Make the communicator's lane (its first collective does, on the general path)."""
@@ -107,6 +113,8 @@ class Bench:
         tdist.all_reduce(self.tensor, group=self.group)
 
     def close(self) -> None:
+        for engine in self.keep:
+            engine.close()
         self.engine.close()
         self.comm.close()
         for stream in self.fake.streams.values():
@@ -242,15 +250,40 @@ def torchfake(bench: Bench) -> Callable[[], None]:
     return lambda: tdist.all_reduce(t, group=group)
 
 
+def delegate(bench: Bench) -> Callable[[], None]:
+    """smddp's delegated route (the default on GPUs): a :class:`~smddp.torch.delegating_group.DelegatingProcessGroup`
+    that hands the CPU tensor to torch's ``FakeProcessGroup`` backend object, as a GPU job's group hands
+    CUDA tensors to torch's ``ProcessGroupNCCL``."""
+    import torch
+    import torch.distributed as tdist
+
+    from smddp.comm.backends.local import LocalCommunicator
+    from smddp.comm.backends.torch_native import Delegate
+    from smddp.comm.base import Context
+    from smddp.comm.engine import Engine
+    from smddp.job.topology import Topology
+    from smddp.torch.delegating_group import DelegatingProcessGroup
+
+    backend = fake_backend()
+    ctx = Context(Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none"), timedelta(seconds=60))
+    engine = Engine({"cpu": LocalCommunicator(ctx)}, timeout=60)
+    group = DelegatingProcessGroup(engine, 0, 1, Delegate("cpu", backend, "CUSTOM", torch.device("cpu"),
+                                                          "torch-gloo", backend))
+    bench.keep.append(engine)
+    t = bench.tensor
+    return lambda: tdist.all_reduce(t, group=group)
+
+
 #: The contenders, in the order each round times them: name to ``contender(bench) -> call``. Add one
 #: here (a function as those above; :func:`fake_backend` gives a C++ backend object to hand tensors
 #: to) and it gets its ``HOSTCOST`` line and its ratios to ``null`` and ``torchfake``; a bar of its
 #: own goes in :data:`BARS`.
 CONTENDERS: Dict[str, Callable[[Bench], Callable[[], None]]] = {
     "sync": sync, "async": async_wait, "null": null, "args": args, "inline": inline, "torchfake": torchfake,
+    "delegate": delegate,
 }
 #: Ratios printed with a bar (``contender / against <= bar``): issue 51's, against torch's own route.
-BARS = [("sync", "torchfake", 1.5), ("async", "torchfake", 2.2)]
+BARS = [("sync", "torchfake", 1.5), ("async", "torchfake", 2.2), ("delegate", "torchfake", 1.0)]
 #: The contenders that call smddp's group (the watchdog's queries are counted per call of these).
 SMDDP = ("sync", "async")
 

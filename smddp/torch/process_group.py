@@ -169,12 +169,14 @@ class SmddpProcessGroup(tdist.ProcessGroup):
             op = _RED_OPS.get(hash(reduce_op)) if _HASH_IS_CODE and reduce_op.__class__ is _TORCH_REDUCE_OP else None
             if op is None:
                 op = torch_op(reduce_op)
+            wait_here = _SYNC_RETURNS_NONE and not opts.asyncOp  # not _wants_work(opts), inline
         else:
             op = torch_op(opts or tdist.ReduceOp.SUM)
+            wait_here = _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True)
         # Inside backward this is DDP's reducer: errors then name the uneven-batches case.
         task = _graph_task()
         label = None if task == -1 else _DDP_GRADIENTS
-        if _SYNC_RETURNS_NONE and not getattr(opts, "asyncOp", True):  # not _wants_work(opts), inline
+        if wait_here:
             self.engine.all_reduce(tensor, op, False, label)
             return None
         handle = self.engine.all_reduce(tensor, op, True, label)

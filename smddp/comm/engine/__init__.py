@@ -47,10 +47,10 @@ from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll,
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.arguments import Checks, check_writable
-from smddp.comm.engine.completer import Completer, completing
+from smddp.comm.engine.completer import COMPLETER, completing
 from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
-from smddp.comm.engine.progress import Progress
+from smddp.comm.engine.progress import SERVICE, Progress
 from smddp.comm.engine.stall import labelled
 from smddp.errors import (
     CollectiveError,
@@ -115,13 +115,12 @@ class Engine(Health, Progress):
         # Pendings that failed, timed out or were interrupted while the library may still hold
         # their buffers (and errors of starts that failed part-way, whose frames hold them).
         self._abandoned: List[object] = []
-        self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
         # Collectives waiting for futures' callbacks to run first, and how many unsettled
         # futures Python holds (see chain()); the threads that complete futures.
         self._deferred: Deque[Handle] = collections.deque()
         self._chained = 0
-        self._completer = Completer(f"smddp-completion-{self.rank}")
+        self._completer = COMPLETER  # the process's completion threads, which every engine shares
         #: The argument checks every collective makes before anything is sent.
         self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
@@ -600,9 +599,7 @@ class Engine(Health, Progress):
                 f"when its process group was destroyed")
             handle._finished = handle._done = True
             handle._settle()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._completer.close()
+        SERVICE.forget(self)  # the process's progress thread is not inside this engine from now on
         for handle in self._on_device:  # the communicators are drained or failed: nothing to wait for
             handle._settle()
         self._on_device.clear()

@@ -118,3 +118,7 @@ class Completer:
                     worker.ready.wait(1.0)
                 if worker.job is None:
                     return
+
+
+#: The process's completion threads, which every engine shares (a group adds no thread of its own).
+COMPLETER = Completer()

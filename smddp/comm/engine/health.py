@@ -187,7 +187,11 @@ class Health:
         with self._report_lock:
             if self._statuses is None:
                 try:
-                    self._statuses = self._channel.query(self._channel_group, self.global_ranks)
+                    if self._owns_channel:  # its own channel, over its own store: its own ranks
+                        found = self._channel.query()
+                        self._statuses = {self.global_rank(rank): st for rank, st in found.items()}
+                    else:  # the process's channel: the world's ranks
+                        self._statuses = self._channel.query(self._channel_group, self.global_ranks)
                 except Exception as exc:  # noqa: BLE001 - the report is best effort
                     return f" (could not ask the other ranks where they are: {exc})"
         text = _stall.describe(self._statuses, seq, op_name, stalled, self.advice)  # by global rank

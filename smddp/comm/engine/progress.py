@@ -1,9 +1,12 @@
 """The engine's operations in flight: owned, advanced, completed in issue order, drained.
 
 :class:`Progress` is the part of :class:`~smddp.comm.engine.Engine` that keeps every
-asynchronous operation until it completes: the list in flight, the progress thread that tests
-them while the caller computes, the pass that completes them in issue order and runs their
-callbacks, help from a thread about to wait (:meth:`Progress.finish`), and the drain at teardown.
+asynchronous operation until it completes: the list in flight, the pass that completes them in
+issue order and runs their callbacks, help from a thread about to wait (:meth:`Progress.finish`),
+and the drain at teardown. One progress thread per process (:class:`Service`) tests the operations
+in flight of every engine that has some, and one set of completion threads
+(:mod:`smddp.comm.engine.completer`) completes them: a group adds no thread of its own (jobs make
+hundreds of groups).
 """
 
 from __future__ import annotations
@@ -26,6 +29,83 @@ _DEVICE_POLL_MAX = 2e-4
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
+class Service:
+    """The process's one progress thread: it advances the operations in flight of every engine.
+
+    An engine with work joins (:meth:`wake`, after it appended under its own lock); the thread
+    passes over the engines that have joined, each under its own lock, and lets an engine go once
+    it has nothing in flight or on a device, checked under the service's lock, so that an engine
+    that starts an operation meanwhile is never left out. Lock order: the service's, then an
+    engine's; an engine never holds its own while it calls in here.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._engines: List[Progress] = []
+        self._current: Optional[Progress] = None  # the engine the thread is passing over now
+        self._thread: Optional[threading.Thread] = None
+
+    def wake(self, engine: Progress) -> None:
+        """``engine`` has work in flight: pass over it until it has none (starting the thread at first)."""
+        with self._cv:
+            if engine not in self._engines:
+                self._engines.append(engine)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="smddp-progress", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def forget(self, engine: Progress) -> None:
+        """Stop passing over ``engine`` (closing): returns once the thread is not inside it."""
+        with self._cv:
+            if engine in self._engines:
+                self._engines.remove(engine)
+            while self._current is engine:
+                self._cv.wait(1.0)
+
+    def serves(self, engine: Progress) -> bool:
+        """True while the thread passes over ``engine``."""
+        with self._cv:
+            return engine in self._engines
+
+    def _run(self) -> None:
+        """Advance every engine's operations in flight while the callers compute.
+
+        Operations the host still moves are polled every 20 us. Once only stream-ordered ones
+        are left (waiting for their device to finish them, to settle what C++ sees), the polls
+        back off to ``_DEVICE_POLL_MAX``: a GPU step keeps several in flight for its whole
+        backward, and each poll takes the GIL from the thread launching its kernels.
+        """
+        pause = _HOST_POLL
+        while True:
+            with self._cv:
+                while not self._engines:
+                    self._cv.wait()
+                    pause = _HOST_POLL
+                engines = list(self._engines)
+            backing_off = True
+            for engine in engines:
+                with self._cv:
+                    if engine not in self._engines:
+                        continue
+                    self._current = engine
+                try:
+                    device_only = engine._progress_once()
+                finally:
+                    with self._cv:
+                        self._current = None
+                        if engine._idle():
+                            self._engines.remove(engine)
+                        self._cv.notify_all()
+                backing_off = backing_off and device_only
+            pause = min(2 * pause, _DEVICE_POLL_MAX) if backing_off else _HOST_POLL
+            time.sleep(pause)
+
+
+#: The process's progress thread, which every engine shares.
+SERVICE = Service()
+
+
 class Progress:
     """Operations in flight of an engine; :class:`~smddp.comm.engine.Engine` inherits it."""
 
@@ -35,21 +115,23 @@ class Progress:
     _inflight: List[Handle]
     _on_device: List[Handle]
     _abandoned: List[object]
-    _thread: Optional[threading.Thread]
     _last_handle: Optional[Handle]
     _done_seq: int
     _completer: Completer
     _deferred: Deque[Handle]
 
     def _track(self, handle: Handle) -> Handle:
-        """Own ``handle`` until it completes; the progress thread advances it meanwhile."""
+        """Own ``handle`` until it completes; the process's progress thread advances it meanwhile."""
         with self._cv:
             self._inflight.append(handle)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._progress, name="smddp-progress", daemon=True)
-                self._thread.start()
             self._cv.notify()
+        SERVICE.wake(self)
         return handle
+
+    def _idle(self) -> bool:
+        """Nothing in flight or on a device here (the progress thread may let it go)."""
+        with self._cv:
+            return not self._inflight and not self._on_device
 
     def _poll(self, inline: bool = True) -> None:
         """Advance every operation in flight once; complete them in issue order.
@@ -169,29 +251,14 @@ class Progress:
                 if handle._error is None:
                     handle._error = error
 
-    def _progress(self) -> None:
-        """The progress thread: advance operations in flight while the caller computes.
-
-        Operations the host still moves are polled every 20 us. Once only stream-ordered ones
-        are left, waiting for their device to finish them (to settle what C++ sees), the polls
-        back off to ``_DEVICE_POLL_MAX``: a GPU step keeps several in flight for its whole
-        backward, and each poll takes the GIL from the thread launching its kernels.
-        """
-        pause = _HOST_POLL
-        while True:
-            with self._cv:
-                while not self._inflight and not self._on_device and not self._closed:
-                    self._cv.wait()
-                    pause = _HOST_POLL
-                if self._closed and not self._inflight:
-                    return
-            self._poll(inline=False)
-            settled = settle_on_device(self) if self._on_device else ()
-            if settled:
-                self._completer.submit(lambda settled=settled: self._settle_all(settled))
-            backing_off = self._on_device and not self._inflight and not settled
-            pause = min(2 * pause, _DEVICE_POLL_MAX) if backing_off else _HOST_POLL
-            time.sleep(pause)
+    def _progress_once(self) -> bool:
+        """One pass of the progress thread over this engine; True if only stream-ordered operations,
+        waiting for their device, are left (the thread may back off)."""
+        self._poll(inline=False)
+        settled = settle_on_device(self) if self._on_device else ()
+        if settled:
+            self._completer.submit(lambda settled=settled: self._settle_all(settled))
+        return bool(self._on_device) and not self._inflight and not settled
 
     def _drain(self) -> bool:
         """Wait for every operation in flight or waiting to start, each within its deadline;

@@ -83,7 +83,8 @@ def test_collective_done_as_it_starts_needs_no_thread():
         "work = tdist.all_reduce(t, async_op=True)\n"
         "future = tdist.broadcast(t, 0, async_op=True).get_future()\n"
         "print('DONE', h.is_completed(), work.is_completed(), future.done(), seen == [h.seq])\n"
-        "print('THREAD', engine._thread is not None, len(engine._inflight))\n"
+        "import threading\n"
+        "print('THREAD', any(t.name == 'smddp-progress' for t in threading.enumerate()), len(engine._inflight))\n"
         "print('VALUES', t.tolist())\n"
         "tdist.destroy_process_group()\n"
     )
@@ -109,3 +110,70 @@ def test_a_failed_synchronous_collective_keeps_its_buffers(how):
     assert rank_lines(result.stdout, "TIMEOUT").keys() == {1}, result.output  # the peer is told, in time
     for sign in ("DROPPED", "CORRUPT", "UNEXPECTED", "Process received signal", "Segmentation"):
         assert sign not in result.output, result.output
+
+
+# ---------------------------------------------------------------------------- one set of threads for every group
+def _later(n: int):
+    """An operation that completes at its ``n``-th test (the progress thread's)."""
+    from smddp.comm.base import Pending
+
+    class Later(Pending):
+        def test(self) -> bool:
+            nonlocal n
+            n -= 1
+            return n <= 0
+
+    return Later()
+
+
+def _slow_engine():
+    from datetime import timedelta
+
+    from smddp.comm.base import Communicator, Context
+    from smddp.comm.engine import Engine
+    from smddp.job.topology import Topology
+
+    class Slow(Communicator):
+        name = "slow"
+
+        def all_reduce(self, tensor, op, tag):
+            return _later(20)
+
+        broadcast = all_gather = barrier = lambda self, *args: _later(20)
+
+        def all_to_all_single(self, output, input, output_counts, input_counts, tag):
+            return _later(20)
+
+    ctx = Context(Topology(rank=0, size=1, local_rank=0, local_size=1, launcher="none"), timedelta(seconds=10))
+    return Engine({"cpu": Slow(ctx)}, timeout=10)
+
+
+@pytest.mark.unit
+def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engine():
+    """A group adds no thread: 30 engines' asynchronous collectives, each with a future callback, are
+    advanced by the process's one progress thread and completed by its shared completion threads."""
+    import threading
+
+    import torch
+
+    from smddp.comm.base import Op
+    from smddp.comm.engine import progress
+
+    before = {t.name for t in threading.enumerate()}
+    engines = [_slow_engine() for _ in range(30)]
+    try:
+        seen = []
+        chained = []
+        for i, engine in enumerate(engines):
+            handle = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
+            chained.append(handle.get_future().then(lambda fut, i=i: seen.append(i)))
+        torch.futures.wait_all(chained)
+        names = [t.name for t in threading.enumerate() if t.name not in before]
+        assert names.count("smddp-progress") <= 1, names
+        # completion threads are made as jobs need them and reused: far fewer than the engines
+        assert sum(name.startswith("smddp-completion") for name in names) < 10, names
+        assert sorted(seen) == list(range(30)), seen
+    finally:
+        for engine in engines:
+            engine.close()
+    assert all(not progress.SERVICE.serves(engine) for engine in engines)  # each let go as it closed
