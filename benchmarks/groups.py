@@ -23,7 +23,9 @@ them, and reports:
 - ``store``: the TCP connections the job's store host (torchrun's agent, on the master port)
   holds at the peak;
 - ``shm``: bytes of ``/dev/shm`` in use (``statvfs``) at the peak, beyond what was in use before;
-- per group: ``fds/group`` and ``threads/group`` (peak less before, over the groups).
+- per group: ``fds/group`` and ``threads/group`` (peak less before, over the groups);
+- with ``--speed``, before the groups: a subgroup of every rank's 1 MB all-reduce against the
+  world's, in the same rounds (a subgroup keeps the shared-memory plane).
 
 Every all-reduce is checked against the sum of the ranks' seeded inputs; a wrong value fails the
 job. The figures are per job; with ``--jobs`` each line is the median over jobs.
@@ -97,6 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     port = int(os.environ["MASTER_PORT"])
     world = torch.zeros(1)
     tdist.all_reduce(world)
+    speed = _subgroup_speed(size) if args.speed else 0.0
     tdist.barrier()
     before = {"fds": _fds(), "threads": _status("Threads"), "rss": _status("VmRSS"), "shm": _shm_used()}
 
@@ -124,14 +127,41 @@ def worker(args: argparse.Namespace) -> None:
 
     mine = torch.tensor([create, first, before["fds"], peak["fds"], after["fds"], before["threads"],
                          peak["threads"], after["threads"], peak["rss"] / 1024, after["rss"] / 1024,
-                         peak["shm"] - before["shm"], after["shm"] - before["shm"], peak["store"], wrong],
+                         peak["shm"] - before["shm"], after["shm"] - before["shm"], peak["store"], wrong, speed],
                         dtype=torch.float64)
     tdist.all_reduce(mine, op=tdist.ReduceOp.MAX)
     if rank == 0:
         keys = ("create", "first", "fds_before", "fds_peak", "fds_after", "threads_before", "threads_peak",
-                "threads_after", "rss_peak", "rss_after", "shm_peak", "shm_after", "store", "wrong")
+                "threads_after", "rss_peak", "rss_after", "shm_peak", "shm_after", "store", "wrong", "speed")
         print("GROUPS " + json.dumps(dict(zip(keys, mine.tolist()))), flush=True)
     tdist.destroy_process_group()
+
+
+def _subgroup_speed(size: int, nbytes: int = 1 << 20, rounds: int = 9, calls: int = 40) -> float:
+    """A subgroup of every rank's all-reduce of ``nbytes`` over the world's, in the same rounds:
+    the median over rounds of the within-round ratio of the median calls (the slowest rank's)."""
+    import torch
+    import torch.distributed as tdist
+
+    sub = tdist.new_group(list(range(size)))
+    t = torch.ones(nbytes // 4)
+    ratios = []
+    for r in range(rounds + 1):  # the first round warms up (a group's segment is made at its first use)
+        medians = {}
+        for name, group in (("world", None), ("sub", sub))[:: 1 if r % 2 else -1]:
+            tdist.barrier()
+            times = []
+            for _ in range(calls):
+                started = time.perf_counter()
+                tdist.all_reduce(t, group=group)
+                times.append(time.perf_counter() - started)
+            medians[name] = statistics.median(times)
+        slowest = torch.tensor([medians["world"], medians["sub"]], dtype=torch.float64)
+        tdist.all_reduce(slowest, op=tdist.ReduceOp.MAX)
+        if r:
+            ratios.append(float(slowest[1] / slowest[0]))
+    tdist.destroy_process_group(sub)
+    return statistics.median(ratios)
 
 
 # --------------------------------------------------------------------------- driver
@@ -143,10 +173,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(backend: str, ranks: int, groups: int, timeout: float) -> Dict[str, float]:
+def run_job(backend: str, ranks: int, groups: int, timeout: float, speed: bool = False) -> Dict[str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           HERE, "--worker", "--backend", backend, "--groups", str(groups)]
+           HERE, "--worker", "--backend", backend, "--groups", str(groups)] + (["--speed"] if speed else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH", "")]))}
     with tempfile.TemporaryFile("w+") as out:
@@ -167,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="jobs per backend, alternated (default 1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a job may take (default 900)")
     parser.add_argument("--json", metavar="FILE", help="write every job's figures to FILE")
+    parser.add_argument("--speed", action="store_true",
+                        help="also time a 1 MB all-reduce on a subgroup of every rank against the world's")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="smddp", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -178,7 +210,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     for _ in range(args.jobs):
         for backend in backends:
-            runs[backend].append(run_job(backend, args.ranks, args.groups, args.timeout))
+            runs[backend].append(run_job(backend, args.ranks, args.groups, args.timeout, args.speed))
     n = args.groups
     print(f"# {n} groups of {args.ranks} ranks under torchrun, {args.jobs} job(s) per backend; "
           f"command: python {' '.join(['benchmarks/groups.py'] + (argv if argv is not None else sys.argv[1:]))}")
@@ -203,6 +235,10 @@ def main(argv=None) -> int:
         if any(r["wrong"] for r in runs[b]):
             print(f"# {b}: WRONG all-reduce results")
             return 1
+    if args.speed:
+        for b in backends:
+            print(f"# {b}: a subgroup's 1 MB all-reduce / the world's = {med(b, 'speed'):.2f}x "
+                  f"(median of within-round ratios, each job's median over jobs)")
     if "smddp" in runs and "gloo" in runs:
         ratio = statistics.median(s["create"] / g["create"] for s, g in zip(runs["smddp"], runs["gloo"]))
         print(f"# create: smddp / gloo = {ratio:.2f}x (median of per-job pairs)")

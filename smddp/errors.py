@@ -31,6 +31,10 @@ class BackendUnavailableError(SMDDPError, RuntimeError):
     """The requested backend is unknown, or its library or device is missing here."""
 
 
+class ResourceLimitError(SMDDPError, OSError):
+    """The process is at one of its limits (open files, ``ulimit -n``): the message names it and what to do."""
+
+
 class UnsafePathError(SMDDPError, PermissionError):
     """A directory smddp would write private files into belongs to another user, or others can write to it."""
 

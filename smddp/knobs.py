@@ -340,6 +340,10 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "larger: fewer steps for large messages, more shared memory per rank and per subgroup"),
     Knob("SMDDP_SHM_DIR", "/dev/shm", AbsolutePath(), "where the shared-memory segments are created"),
     # ---- MPI
+    Knob("SMDDP_SHM_MAX_BYTES", 512 << 20, Bytes(),
+         "the most shared memory one process maps for its groups' segments; a group whose segment would "
+         "pass it runs its CPU collectives on its flat path",
+         "larger: more groups (subgroups, DeviceMesh dimensions) on shared memory, more RAM committed"),
     Knob("SMDDP_MPI_RING_MIN_BYTES", 256 * 1024, Bytes(),
          "all-reduces of at least this many bytes take the large-message path under MPI",
          "lower: more messages take smddp's ring instead of MPI_Iallreduce"),

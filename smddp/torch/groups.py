@@ -35,6 +35,7 @@ from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
+from smddp.job import limits
 from smddp.job.topology import Topology, discover
 from smddp.torch import _functional_backends, _init_methods, _labels
 from smddp.torch.delegating_group import DelegatingProcessGroup
@@ -127,6 +128,9 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
     device = _compat.requested_device_id()  # init_process_group's or new_group's device_id
     if tdist.is_initialized():
         topology, ranks = _subgroup_topology(options)
+        # Its gloo connections (one per peer) and its segment's mapping: said now, with the limit
+        # named, rather than by gloo's threads aborting the process when it runs out.
+        limits.check_open_files(topology.size, f"process group {name!r}", len(_subgroups) + 1)
         parent = _world.delegate
         if device is None and parent is not None:
             device = parent.device  # a subgroup's device tensors live on its members' device

@@ -45,10 +45,11 @@ def main() -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     comm = groups.current().engine.comms["cpu"]
     agreed = comm.layout
+    plane = comm.open() if hasattr(comm, "open") else comm._shm  # one host: made at the first collective
     print(f"PLANE {rank} {comm.plane}", flush=True)
-    print(f"CORE {rank} {'native' if comm._shm.native else 'python'}", flush=True)
+    print(f"CORE {rank} {'native' if plane.native else 'python'}", flush=True)
     print(f"LAYOUT {rank} {agreed.slot} {agreed.chunk_bytes} {agreed.one_shot_max} "
-          f"{agreed.hierarchical_min_bytes} {comm._shm.part_bytes}", flush=True)
+          f"{agreed.hierarchical_min_bytes} {plane.part_bytes}", flush=True)
     digest = hashlib.sha256()
     largest = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 62
     cases = [(numel, torch.float32, dist.ReduceOp.SUM) for numel in SIZES if numel * 4 <= largest]

@@ -12,6 +12,9 @@ that everything smddp creates there can be seen. Every rank prints ``<WORD> <ran
   the launcher then ends rank 0 (``SIGTERM``), which waits for rank 1 meanwhile.
 - ``stall``: rank 1 sleeps there past the timeout: rank 0's wait times out (``WAITED``), and
   rank 1 then finds the segment gone (``MISSING``).
+
+The segment is made at a group's first collective: each mode makes it right after
+``init_process_group``, as that collective would (``set_up_plane``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".replace("\n", " ")
 
 
+def set_up_plane() -> None:
+    """Make the world's segment now: smddp makes it at the group's first collective."""
+    groups.current().engine.comms["cpu"].open()
+
+
 def plant() -> None:
     victim = sys.argv[2]
     plants = {
@@ -64,8 +72,11 @@ def plant() -> None:
         hostmates.HostChannel.publish = forged if RANK == 0 else publish
         try:
             tdist.init_process_group(backend="smddp")
-            say("ACCEPTED", kind)
-            tdist.destroy_process_group()
+            try:
+                set_up_plane()
+                say("ACCEPTED", kind)
+            finally:
+                tdist.destroy_process_group()
         except smddp.SMDDPError as exc:
             say("REFUSED", kind, one_line(exc))
     hostmates.HostChannel.publish = publish
@@ -92,6 +103,7 @@ def fail_in_set_up(how) -> None:
     store = make_store(discover(os.environ), timedelta(seconds=60))
     try:
         tdist.init_process_group(backend="smddp", store=store, rank=RANK, world_size=SIZE)
+        set_up_plane()
         say("INITIALIZED")
     except smddp.SMDDPError as exc:
         text = str(exc)

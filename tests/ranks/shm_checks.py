@@ -451,9 +451,10 @@ def idle() -> None:
 _REDUCE_OPS = {Op.SUM: dist.ReduceOp.SUM, Op.AVERAGE: dist.ReduceOp.AVERAGE, Op.MIN: dist.ReduceOp.MIN,
                Op.MAX: dist.ReduceOp.MAX}
 
+# The plane is made at the group's first collective; every rank makes it here alike, first.
+shm_plane = comm.open() if hasattr(comm, "open") else getattr(comm, "_shm", None)
 assert getattr(comm, "plane", "gloo") == PLANE, (getattr(comm, "plane", None), PLANE)
 print(f"LOCAL {rank} {dist.get_local_rank()} {socket.gethostname()}", flush=True)
-shm_plane = getattr(comm, "_shm", None)
 if shm_plane is not None:
     print(f"CORE {rank} {'native' if shm_plane.native else 'python'}", flush=True)
 if MODE == "kill":

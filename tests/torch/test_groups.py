@@ -7,6 +7,11 @@ against values it computes locally from seeded inputs (see the script).
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 
@@ -22,7 +27,7 @@ from smddp.comm.subgroups import group_topology, members, subgroup_communicators
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job.topology import Topology
 
-from launchers import mpirun, rank_lines, torchrun
+from launchers import RANKS, free_port, mpirun, rank_lines, run, torchrun
 
 SCRIPT = "tests/ranks/group_checks.py"
 
@@ -122,6 +127,59 @@ def test_timeout_in_a_subgroup_names_global_ranks():
     assert "FAILED" not in result.stdout, result.output
     assert "CHECK 1 the timeout names the group, global ranks, and the rank that never arrived" in result.stdout, (
         result.output)
+
+
+# ============================================================================ what a group costs (issue 52)
+MANY = str(RANKS / "many_groups.py")
+
+
+def _limited_torchrun(soft_files: int, args, timeout: float, env=None):
+    """torchrun whose agent (the store's host) and ranks start with a soft limit of ``soft_files`` open files."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *args]
+    return run(["bash", "-c", f"ulimit -Sn {soft_files} && exec {shlex.join(cmd)}"], timeout, env)
+
+
+@pytest.mark.slow
+def test_200_groups_fit_a_store_host_held_to_256_files_and_leave_nothing_once_destroyed():
+    """Each rank at ``ulimit -n 1024``, the store's host (torchrun's agent) at 256: 200 groups alive at
+    once, exact; the store's host holds as many connections as with none (no group opens its own),
+    and once destroyed the groups hold no file, thread or segment."""
+    result = _limited_torchrun(256, [MANY, "200", "--files", "1024"], timeout=240)
+    assert_all_ranks_passed(result, 2, at_least=4)
+    assert int(rank_lines(result.stdout, "STORE")[0]) <= 8, result.output  # 2 ranks: no more than at start
+    files, threads = map(int, rank_lines(result.stdout, "PEAK")[0].split())
+    assert files <= 2 * 200 and threads <= 3 * 200, result.output  # under gloo's own 5 and 3 per group
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_open_files_names_the_limit_on_every_rank():
+    """At ``ulimit -n 64`` the groups run out of files: every rank raises, naming the limit, in seconds
+    (gloo's threads would abort the process instead: accept: Too many open files)."""
+    result = _limited_torchrun(64, [MANY, "60"], timeout=60)
+    assert result.returncode != 0, result.output
+    for rank in (0, 1):
+        assert f"[rank{rank}]: smddp.errors.ResourceLimitError: process group" in result.output, result.output
+    assert "of its limit of 64 (ulimit -n)" in result.output and "EnforceNotMet" not in result.output
+
+
+@pytest.mark.slow
+def test_a_64_mb_shared_memory_directory_holds_20_live_groups_exact_and_never_fills(tmp_path):
+    """A container's 64 MB /dev/shm: the world and 20 groups, all alive, exact; the groups that would
+    take its last quarter run flat, so it never fills."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a 64 MB tmpfs needs root")
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode:
+        pytest.skip("this machine refuses to mount a tmpfs")
+    try:
+        result = torchrun(2, [MANY, "20"], timeout=240, env={"SMDDP_SHM_DIR": str(small)})
+        assert_all_ranks_passed(result, 2, at_least=4)
+        assert "would leave less than a quarter of it" in result.output, result.output
+        assert list(small.iterdir()) == []  # every segment unlinked once mapped
+    finally:
+        subprocess.run(["umount", str(small)])
 
 
 # ============================================================================ NCCL subgroups, on a stand-in

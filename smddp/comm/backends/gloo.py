@@ -129,6 +129,12 @@ class GlooCommunicator(Communicator):
         self.check_large = True
         self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the gloo plane", _Checked)
 
+    def close(self) -> None:
+        """Let go of the gloo group and the checker that holds this communicator's own method (a
+        cycle): the group's threads and connections end once torch lets go of it too."""
+        self.checker = None
+        self.pg = None
+
     def _gather(self, row: torch.Tensor, rows: torch.Tensor) -> Pending:
         return GlooWork(self.pg.allgather([list(rows.chunk(self.size))], [row]))
 

@@ -574,11 +574,13 @@ class Engine(Health, Progress):
         return self._track(Handle(self, self.seq, op_name, start(), ordered=False, result=result))
 
     def close(self) -> None:
-        """Drain operations in flight, stop the progress thread, then close every communicator.
+        """Drain operations in flight, leave the progress thread, then close every communicator.
 
-        Operations still in flight complete first (each within the timeout); the progress
-        thread is stopped and joined; communicators are freed only if no library may still
-        hold a buffer of a failed operation.
+        Operations still in flight complete first (each within the timeout); the process's
+        progress thread lets this engine go; communicators are freed only if no library may still
+        hold a buffer of a failed operation. A closed engine holds no reference its communicators
+        hold back, so that a destroyed group's threads and connections end as torch lets go of it,
+        not at a garbage collection.
         """
         if self._closed:
             return
@@ -604,6 +606,8 @@ class Engine(Health, Progress):
             handle._settle()
         self._on_device.clear()
         self._close_health()
+        for comm in self.comms.values():
+            comm.on_timeout = None  # its reference back to this engine (a cycle)
         if not clean:
             return  # freeing a communicator under a request still in flight is undefined
         closed = set()

@@ -196,6 +196,8 @@ def compose(flat: Communicator, ctx: Context, found: PlaneSettings, group: str =
     agreed = ctx.layout
     pinned = agreed.plane if agreed is not None else found.plane
     comm, why = _choose(flat, ctx, pinned, found.debug, group)
+    if pinned == "shm" and comm is not flat:
+        comm.open()  # asked for by name: had now, or refused now, not at the first collective
     if pinned in ("shm", "hierarchical") and comm.plane != pinned:
         if comm is not flat:
             comm.close()
@@ -245,11 +247,12 @@ def _choose(flat: Communicator, ctx: Context, pinned: str, debug: bool, group: s
                       f"2 or more, on every host")
     store = _plane_store(ctx)
     channel = hostmates.HostChannel(store, mates, ctx.timeout)
-    plane = shm.open_plane(channel, agreed, group)
     if nhosts == 1:
-        if plane is None:
-            return flat, "no usable shared memory on this host"
-        return ShmCommunicator(ctx, plane, flat, debug), f"all {flat.size} ranks share one host"
+        # The segment is made at the group's first collective, within the process's bound
+        # (smddp.comm.planes.shm_segment); where there is none, the group's collectives go flat.
+        comm = ShmCommunicator(ctx, None, flat, debug, opener=lambda: shm.open_plane(channel, agreed, group))
+        return comm, f"all {flat.size} ranks share one host"
+    plane = shm.open_plane(channel, agreed, group)
     # Every host must have its plane, or none uses one.
     if mates.local_rank == 0:
         store.set(f"plane/{mates.host}", "1" if plane is not None else "0")

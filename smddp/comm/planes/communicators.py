@@ -6,7 +6,10 @@ Each composes communicators it is given; neither knows which library is beneath 
   reduce_scatter, all_gather, broadcast, barrier and (compiled core) all-to-all go through
   shared memory (:mod:`smddp.comm.planes.shm`); point-to-point, and all-to-all without the
   compiled core, through ``flat`` (the group's MPI or gloo communicator). The plane compares
-  every collective's fingerprint; after a mismatch (raised on every rank) it goes on.
+  every collective's fingerprint; after a mismatch (raised on every rank) it goes on. Its
+  segment is made at the group's first collective, not as the group is made (jobs make hundreds
+  of groups, most of which move no CPU tensor), and where none can be had (the process's bound,
+  a small ``/dev/shm``) every collective takes ``flat``, on every rank of the group alike.
 - :class:`HierarchicalCommunicator`: several hosts with the same number of ranks each.
   all_reduce of the group's agreed threshold or more is a reduce-scatter within the host
   (shared memory), an all-reduce of each rank's part with the same local rank of the other
@@ -22,11 +25,11 @@ collective took; with ``debug`` set, the first use of each is printed.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence, Set, Tuple
+from typing import Callable, Optional, Sequence, Set, Tuple
 
 import torch
 
-from smddp.comm.base import Communicator, Context, Op, Pending, check_reduction
+from smddp.comm.base import Communicator, Context, Op, Pending, check_reduction, then
 from smddp.comm.mismatch.fingerprint import signature
 from smddp.comm.planes.shm import Plane
 
@@ -78,48 +81,106 @@ class ShmCommunicator(_Composed):
 
     Args:
         ctx: the group's context.
-        shm: the host's plane.
-        flat: the group's communicator for point-to-point (and all-to-all without the core).
+        shm: the host's plane, or None: ``opener`` makes it at the group's first collective.
+        flat: the group's communicator for point-to-point (and all-to-all without the core), and for
+            every collective where no plane can be had.
         debug: print the first use of each collective's plane.
+        opener: makes the plane (:func:`smddp.comm.planes.shm.open_plane`; the same outcome on every
+            rank of the host), or returns None where it cannot be had.
     """
 
-    plane = "shm"
     _first_all_reduce = True
 
-    def __init__(self, ctx: Context, shm: Plane, flat: Communicator, debug: bool = False):
+    def __init__(self, ctx: Context, shm: Optional[Plane], flat: Communicator, debug: bool = False,
+                 opener: Optional[Callable[[], Optional[Plane]]] = None):
         super().__init__(ctx, shm, flat, debug)
-        self._all_reduce = shm.all_reduce  # the plane's own: the path of every small all-reduce
+        self._opener = opener if shm is None else None
+        #: The path of every small all-reduce: the plane's own, once it is open.
+        self._all_reduce = shm.all_reduce if shm is not None else self._first_all_reduce_opens
+
+    @property
+    def plane(self) -> str:
+        """``"shm"``, or the flat communicator's where no segment could be had."""
+        return "shm" if self._shm is not None or self._opener is not None else self.flat.plane
+
+    @property
+    def native_reduce_scatter(self) -> bool:
+        return self._shm is not None or self._opener is not None or self.flat.native_reduce_scatter
+
+    def open(self) -> Optional[Plane]:
+        """The plane, made now if it has not been (every rank of the host calls this alike: in the
+        same collective, or as the group is made with ``SMDDP_CPU_PLANE=shm``); None where none can be had."""
+        return self._open()
+
+    def _open(self) -> Optional[Plane]:
+        """The plane, made now if it has not been: every rank of the host is in this collective too."""
+        opener, self._opener = self._opener, None
+        if opener is not None:
+            self._shm = opener()
+            self._all_reduce = self._shm.all_reduce if self._shm is not None else self._flat_all_reduce
+        return self._shm
+
+    def _first_all_reduce_opens(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        self._open()
+        return self._all_reduce(tensor, op, tag)
+
+    def _flat_all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
+        self._used("all_reduce", self.flat.name)
+        return self.flat.all_reduce(tensor, op, tag)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         if self._first_all_reduce:
             self._first_all_reduce = False
-            self._used("all_reduce", "shm")
+            if self._open() is not None:
+                self._used("all_reduce", "shm")
         return self._all_reduce(tensor, op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
         """Rank r receives the reduction of slice r of flat ``input`` (``size * output.numel()`` elements)."""
+        plane = self._shm if self._opener is None else self._open()
+        if plane is None:
+            self._used("reduce_scatter", self.flat.name)
+            if self.flat.native_reduce_scatter:
+                return self.flat.reduce_scatter(output, input, op, tag)
+            # reduced in full on the flat path, then this rank's slice: the same on every rank
+            whole = input.clone()
+            return then(self.flat.all_reduce(whole, op, tag),
+                        lambda: output.copy_(whole.view(self.size, -1)[self.rank]))
         self._used("reduce_scatter", "shm")
-        return self._shm.reduce_scatter(output, input, op, tag)
+        return plane.reduce_scatter(output, input, op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        plane = self._shm if self._opener is None else self._open()
+        if plane is None:
+            self._used("broadcast", self.flat.name)
+            return self.flat.broadcast(tensor, src, tag)
         self._used("broadcast", "shm")
-        return self._shm.broadcast(tensor, src, tag)
+        return plane.broadcast(tensor, src, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
+        plane = self._shm if self._opener is None else self._open()
+        if plane is None:
+            self._used("all_gather", self.flat.name)
+            return self.flat.all_gather(output, input, tag)
         self._used("all_gather", "shm")
-        return self._shm.all_gather(output, input, tag)
+        return plane.all_gather(output, input, tag)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_counts: Sequence[int],
                           input_counts: Sequence[int], tag: int) -> Pending:
-        if self._shm.native:  # every rank of the plane voted the same way
+        plane = self._shm if self._opener is None else self._open()
+        if plane is not None and plane.native:  # every rank of the plane voted the same way
             self._used("all_to_all_single", "shm")
-            return self._shm.all_to_all(output, input, output_counts, input_counts, tag)
+            return plane.all_to_all(output, input, output_counts, input_counts, tag)
         self._used("all_to_all_single", self.flat.name)
         return self.flat.all_to_all_single(output, input, output_counts, input_counts, tag)
 
     def barrier(self, tag: int) -> Pending:
+        plane = self._shm if self._opener is None else self._open()
+        if plane is None:
+            self._used("barrier", self.flat.name)
+            return self.flat.barrier(tag)
         self._used("barrier", "shm")
-        return self._shm.barrier(tag)
+        return plane.barrier(tag)
 
 
 class HierarchicalCommunicator(_Composed):

@@ -1,8 +1,13 @@
 """The shared-memory plane's segment: created, reserved, mapped by every rank, unlinked.
 
 Shared memory per host: ``4096 + local_size * 2 * SMDDP_SHM_SLOT_BYTES`` bytes (default
-slot 4 MiB: 8 MiB per rank). The segment is unlinked as soon as every rank has mapped it,
-so a job killed with ``kill -9`` leaves nothing in /dev/shm; a segment left by a crash
+slot 4 MiB: 8 MiB per rank). Jobs make many groups, so what a process holds is bounded whatever
+their number: a segment is made only if this process's segments stay within
+``SMDDP_SHM_MAX_BYTES`` (512 MiB by default) and the directory keeps a quarter of its size free
+(never its last bytes: a container's 64 MB ``/dev/shm`` is also what DataLoader workers use);
+otherwise the group runs on its flat path (:class:`SegmentBounded`, on every rank of the host).
+The segment is unlinked as soon as every rank has mapped it, so a job killed with ``kill -9``
+leaves nothing in /dev/shm; a segment left by a crash
 during set-up (its creator's pid gone) is removed by the next job's set-up.
 :mod:`smddp.comm.planes.shm` runs the collectives over it.
 
@@ -41,6 +46,10 @@ from smddp.errors import BackendUnavailableError
 #: Bytes of one buffer; each rank has two.
 SLOT_BYTES = knobs.value("SMDDP_SHM_SLOT_BYTES")
 SHM_DIR = knobs.value("SMDDP_SHM_DIR")
+#: The most bytes of segments this process maps at once.
+MAX_BYTES = knobs.value("SMDDP_SHM_MAX_BYTES")
+#: The part of the directory a new segment must leave free.
+KEEP_FREE = 0.25
 #: Bytes before the buffers: the ranks' epoch words and pids.
 HEADER = 4096
 _PREFIX = "smddp-shm-"
@@ -49,6 +58,41 @@ _NAME = re.compile(re.escape(_PREFIX) + r"[A-Za-z0-9_-]{1,200}")
 #: The creating process, and its pid namespace: only a process in the same one can judge it.
 _CREATOR = re.compile(r".*-n(\d+)-p(\d+)")
 _POLL_S = 0.002  # between two looks at the store while the creator waits (signals run meanwhile)
+
+
+class SegmentBounded(OSError):
+    """No segment for a group: this process's segments, or the directory's free space, are at their
+    bound (the module says which). Raised on every rank of the host; the group runs on its flat path."""
+
+
+_held_lock = threading.Lock()
+_held = 0  # bytes of segments this process maps now
+
+
+def held() -> int:
+    """Bytes of segments this process maps now (every group's)."""
+    return _held
+
+
+def _hold(nbytes: int) -> None:
+    global _held
+    with _held_lock:
+        _held += nbytes
+
+
+def release(nbytes: int) -> None:
+    """A segment of ``nbytes`` this process mapped is unmapped."""
+    global _held
+    with _held_lock:
+        _held = max(0, _held - nbytes)
+
+
+def _over_held(nbytes: int) -> Optional[str]:
+    """Why this process may not map another ``nbytes`` (its bound), or None."""
+    if _held + nbytes > MAX_BYTES:
+        return (f"this process maps {_held >> 20} MiB of shared memory for its groups already and "
+                f"SMDDP_SHM_MAX_BYTES={MAX_BYTES} ({MAX_BYTES >> 20} MiB) bounds it")
+    return None
 
 
 def supported() -> bool:
@@ -171,6 +215,15 @@ def _create(path: str, nbytes: int) -> Optional[str]:
     if free < nbytes:
         return (f"{_dir_words()} has {free >> 20} MiB free and the shared-memory plane needs "
                 f"{nbytes >> 20} MiB: {_ENLARGE}")
+    bound = _over_held(nbytes)
+    if bound is not None:
+        raise SegmentBounded(bound)
+    total = stat_fs.f_blocks * stat_fs.f_frsize
+    if free - nbytes < KEEP_FREE * total:
+        raise SegmentBounded(
+            f"{_dir_words()} has {free >> 20} MiB free of {total >> 20} MiB, and a segment of {nbytes >> 20} MiB "
+            f"would leave less than a quarter of it (smddp never takes the last of it: other programs, "
+            f"DataLoader workers among them, use it too)")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -317,6 +370,8 @@ def _mapped(mapping: Optional[mmap.mmap], reports: List[dict]) -> mmap.mmap:
     if mapping is not None:
         mapping.close()
     text = "; ".join(f"local rank {r}: {found['error']}" for r, found in failures)
+    if all(found.get("bound") is True for _, found in failures):
+        raise SegmentBounded(text)
     if any(found.get("fatal") for _, found in failures):
         raise BackendUnavailableError(f"the shared-memory plane cannot start: {text}")
     raise OSError(text)
@@ -344,15 +399,26 @@ def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
     """
     if host.rank != 0:
         name = host.read("segment")
+        if name.startswith("~"):
+            raise SegmentBounded(name[1:])
         if name.startswith("!"):
             raise OSError(name[1:])
-        mapping, outcome = _try_map(name, nbytes)
+        bound = _over_held(nbytes)
+        if bound is not None:  # this rank's own bound: every rank of the host goes without
+            mapping, outcome = None, {"error": bound, "fatal": False, "bound": True}
+        else:
+            mapping, outcome = _try_map(name, nbytes)
         host.publish(f"mapped/{host.rank}", json.dumps(outcome))
-        return name, _mapped(mapping, [_report(host.read(f"mapped/{r}")) for r in range(host.size)])
+        found = _mapped(mapping, [_report(host.read(f"mapped/{r}")) for r in range(host.size)])
+        _hold(nbytes)
+        return name, found
     name = _new_name(group)
     path = os.path.join(SHM_DIR, name)
     try:
         reason = _create(path, nbytes)
+    except SegmentBounded as exc:
+        host.publish("segment", f"~{exc}")  # the host-mates go without it too, for the same reason
+        raise
     except BaseException as exc:
         # Whatever stopped it, the host-mates must not wait for a name that will not come: they
         # fall back, and this rank's error ends the job or is caught by its caller.
@@ -370,4 +436,6 @@ def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
     finally:
         # Every rank has mapped it, or will not: from now on no crash can leave it behind.
         _unlink(path)
-    return name, _mapped(mapping, reports)
+    found = _mapped(mapping, reports)
+    _hold(nbytes)
+    return name, found
