@@ -483,7 +483,8 @@ def delegated() -> None:
         tdist.all_reduce(t, group=evens)
         same("a subgroup's all_reduce", t, sub_rows.sum(0), rtol=1e-5)
         check("a subgroup delegates through a torch backend of its own",
-              isinstance(evens, DelegatingProcessGroup) and evens.delegate.backend is not groups.current().delegate.backend
+              isinstance(evens, DelegatingProcessGroup)
+              and evens.delegate.backend is not groups.current().delegate.backend
               and evens.delegate.backend.size() == len(members), repr(evens))
         tdist.destroy_process_group(evens)
     started = sorted(t.name for t in threading.enumerate() if t.name.startswith(("smddp-progress", "smddp-completion")))
