@@ -188,6 +188,17 @@ def untagged(output: str) -> str:
     return "\n".join(_TAG.sub("", line) for line in output.splitlines())
 
 
+def assert_all_ranks_passed(result: Result, size: int, at_least: int = 1) -> dict:
+    """Every rank of a checklist job (``ranks/checklist.py``) passed, each with ``at_least`` checks;
+    returns ``{rank: passed count}``."""
+    result.check()
+    assert "FAILED" not in result.stdout, result.output
+    passed = rank_lines(result.stdout, "PASSED")
+    assert sorted(passed) == list(range(size)), result.output
+    assert all(int(count) >= at_least for count in passed.values()), passed
+    return passed
+
+
 def rank_lines(output: str, prefix: str) -> dict:
     """``{rank: rest}`` from lines ``PREFIX <rank> <rest>`` printed by each rank."""
     found = {}

@@ -30,18 +30,10 @@ from smddp.errors import BackendUnavailableError
 from smddp.job.topology import Topology
 from smddp.torch.delegating_group import DelegatingProcessGroup
 
-from launchers import mpirun, rank_lines, torchrun, untagged
+from launchers import assert_all_ranks_passed, mpirun, torchrun, untagged
 
 SCRIPT = "tests/ranks/fsdp_checks.py"
 ENV = {"SMDDP_BACKEND": "torch-gloo", "SMDDP_TIMEOUT": "120"}
-
-
-def assert_all_ranks_passed(result, size: int, at_least: int) -> None:
-    result.check()
-    assert "FAILED" not in result.stdout, result.output
-    passed = rank_lines(result.stdout, "PASSED")
-    assert sorted(passed) == list(range(size)), result.output
-    assert all(int(count) >= at_least for count in passed.values()), passed
 
 
 # ============================================================================ launched jobs

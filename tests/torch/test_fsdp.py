@@ -17,19 +17,11 @@ import smddp.torch.distributed as dist
 from smddp.comm.algorithms import derived
 from smddp.comm.base import BITWISE, Op
 
-from launchers import mpirun, python, rank_lines
+from launchers import assert_all_ranks_passed, mpirun, python, rank_lines
 
 SCRIPT = "tests/ranks/fsdp_checks.py"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
                  "SLURM_PROCID", "SM_HOSTS", "SMDDP_BACKEND", "MASTER_ADDR", "MASTER_PORT")
-
-
-def assert_all_ranks_passed(result, size: int, at_least: int) -> None:
-    result.check()
-    assert "FAILED" not in result.stdout, result.output
-    passed = rank_lines(result.stdout, "PASSED")
-    assert sorted(passed) == list(range(size)), result.output
-    assert all(int(count) >= at_least for count in passed.values()), passed
 
 
 # ============================================================================ launched jobs

@@ -27,18 +27,9 @@ from smddp.comm.subgroups import group_topology, members, subgroup_communicators
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job.topology import Topology
 
-from launchers import RANKS, free_port, mpirun, rank_lines, run, torchrun
+from launchers import RANKS, assert_all_ranks_passed, free_port, mpirun, rank_lines, run, torchrun
 
 SCRIPT = "tests/ranks/group_checks.py"
-
-
-def assert_all_ranks_passed(result, size: int, at_least: int) -> dict:
-    result.check()
-    assert "FAILED" not in result.stdout, result.output
-    passed = rank_lines(result.stdout, "PASSED")
-    assert sorted(passed) == list(range(size)), result.output
-    assert all(int(count) >= at_least for count in passed.values()), passed
-    return passed
 
 
 @pytest.mark.mpi
