@@ -116,7 +116,7 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
 
         methods["Engine.all_reduce"] = lambda: engine.all_reduce(tensor, Op.SUM)
         methods[f"{type(communicator).__name__}.all_reduce"] = through_communicator
-        plane = getattr(communicator, "_shm", None)
+        plane = communicator.open() if hasattr(communicator, "open") else getattr(communicator, "_shm", None)
         if plane is not None and plane.native and getattr(communicator, "plane", "") == "shm":
             from smddp.comm.planes import shm
 
@@ -130,7 +130,8 @@ def _methods(nbytes: int, comm, gloo, layers: bool) -> Dict[str, Callable[[], No
                     pass
 
             methods["shm-core"] = through_core
-    plane = getattr(groups.current().engine.comms["cpu"], "_shm", None)
+    cpu = groups.current().engine.comms["cpu"]
+    plane = cpu.open() if hasattr(cpu, "open") else getattr(cpu, "_shm", None)  # made at the first collective
     if getattr(plane, "single_copy_min", 0):
         def segment_path():  # every rank turns it off and on at the same call: the group's choice holds
             plane._seg.single_copy_min = 0

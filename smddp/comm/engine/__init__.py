@@ -121,6 +121,7 @@ class Engine(Health, Progress):
         self._deferred: Deque[Handle] = collections.deque()
         self._chained = 0
         self._completer = COMPLETER  # the process's completion threads, which every engine shares
+        SERVICE.attach(self)  # the process's progress thread lives while an engine is open
         #: The argument checks every collective makes before anything is sent.
         self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
@@ -198,6 +199,10 @@ class Engine(Health, Progress):
                     # A plane may see a mismatch as one rank starts and as another completes:
                     # an asynchronous call reports it from wait() on every rank alike.
                     pending = Failed(exc)
+                except CollectiveTimeout as exc:
+                    # A plane's set-up at the group's first collective waited for a host-mate that did
+                    # not come (hostmates): this collective's timeout, with the stall report.
+                    raise self._stalled(seq, op_name, str(exc).rstrip(".")) from exc
                 except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError

@@ -45,11 +45,13 @@ class completion:  # noqa: N801 - used as a context manager, like threading's lo
 
 
 class _Worker:
-    __slots__ = ("job", "ready")
+    __slots__ = ("job", "ready", "retire", "thread")
 
     def __init__(self, job: Callable[[], None]):
         self.job: Optional[Callable[[], None]] = job
         self.ready = threading.Condition(threading.Lock())
+        self.retire = False  # set while idle (trim): end instead of waiting for a job
+        self.thread: Optional[threading.Thread] = None
 
 
 class Completer:
@@ -78,7 +80,21 @@ class Completer:
                     worker.ready.notify()
                 return
         worker = _Worker(job)
-        threading.Thread(target=self._serve, args=(worker,), name=self._name, daemon=True).start()
+        worker.thread = threading.Thread(target=self._serve, args=(worker,), name=self._name, daemon=True)
+        worker.thread.start()
+
+    def trim(self) -> None:
+        """End the idle threads now and return once they have ended (the last group was destroyed:
+        it leaves no thread behind); later jobs start threads again."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            with worker.ready:
+                worker.retire = True
+                worker.ready.notify()
+        for worker in idle:
+            if worker.thread is not None and worker.thread is not threading.current_thread():
+                worker.thread.join(5.0)
 
     def close(self) -> None:
         """End the idle threads; a thread still in a job ends once its job returns."""
@@ -104,17 +120,19 @@ class Completer:
                     return
                 self._idle.append(worker)
             with worker.ready:
-                if worker.job is None:
+                if worker.job is None and not worker.retire:
                     worker.ready.wait(IDLE_SECONDS)
                 if worker.job is not None:
                     continue
+                if worker.retire:  # trimmed while idle: no longer in the idle list
+                    return
             with self._lock:
                 if worker in self._idle:  # not handed a job meanwhile: end
                     self._idle.remove(worker)
                     return
             # Handed a job between the wait's end and the lock: it is in worker.job now.
             with worker.ready:
-                while worker.job is None and not self._closed:
+                while worker.job is None and not self._closed and not worker.retire:
                     worker.ready.wait(1.0)
                 if worker.job is None:
                     return

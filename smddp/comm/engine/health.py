@@ -117,17 +117,17 @@ class Health:
             self._broken = exc
         return exc
 
-    def _timeout(self, seq: int, op_name: str) -> CollectiveTimeout:
+    def _timeout(self, seq: int, op_name: str, detail: str = "") -> CollectiveTimeout:
         return CollectiveTimeout(
             f"{op_name} (sequence number {seq}) did not complete within {self.timeout:g} s on "
-            f"{self._who()}.{self._stall_report(seq, op_name)} "
+            f"{self._who()}{': ' + detail if detail else ''}.{self._stall_report(seq, op_name)} "
             f"The job is now broken: further collectives fail at once (the timeout is set by "
             f"SMDDP_TIMEOUT or init_process_group(timeout=...))."
         )
 
-    def _stalled(self, seq: int, op_name: str) -> CollectiveTimeout:
-        """The timeout error for ``seq``, the job marked broken by it."""
-        error = self._timeout(seq, op_name)
+    def _stalled(self, seq: int, op_name: str, detail: str = "") -> CollectiveTimeout:
+        """The timeout error for ``seq``, the job marked broken by it; ``detail``: what it waited for."""
+        error = self._timeout(seq, op_name, detail)
         if self._broken is None:
             self._broken = error
         return error

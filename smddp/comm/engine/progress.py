@@ -15,10 +15,11 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable, Deque, List, Optional, Sequence
 
 from smddp.comm.base import poll
-from smddp.comm.engine.completer import Completer, completion
+from smddp.comm.engine.completer import COMPLETER, Completer, completion
 from smddp.comm.engine.handle import Handle, settle, settle_on_device
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
@@ -44,6 +45,12 @@ class Service:
         self._engines: List[Progress] = []
         self._current: Optional[Progress] = None  # the engine the thread is passing over now
         self._thread: Optional[threading.Thread] = None
+        self._open = 0  # engines made and not yet closed: the thread ends once none is left
+
+    def attach(self, engine: Progress) -> None:
+        """``engine`` is made: the thread, once started, lives until every engine attached is closed."""
+        with self._cv:
+            self._open += 1
 
     def wake(self, engine: Progress) -> None:
         """``engine`` has work in flight: pass over it until it has none (starting the thread at first)."""
@@ -56,12 +63,22 @@ class Service:
             self._cv.notify_all()
 
     def forget(self, engine: Progress) -> None:
-        """Stop passing over ``engine`` (closing): returns once the thread is not inside it."""
+        """Stop passing over ``engine`` (closing, once): returns once the thread is not inside it, and,
+        if it was the last engine open, once the thread has ended (a destroyed group leaves no thread)."""
         with self._cv:
             if engine in self._engines:
                 self._engines.remove(engine)
             while self._current is engine:
                 self._cv.wait(1.0)
+            self._open = max(0, self._open - 1)
+            ending = self._thread if self._open == 0 and not self._engines else None
+            if ending is not None:
+                self._thread = None
+                self._cv.notify_all()
+        if ending is not None and ending is not threading.current_thread():
+            ending.join(5.0)
+        if ending is not None:
+            COMPLETER.trim()  # and the idle completion threads
 
     def serves(self, engine: Progress) -> bool:
         """True while the thread passes over ``engine``."""
@@ -77,9 +94,14 @@ class Service:
         backward, and each poll takes the GIL from the thread launching its kernels.
         """
         pause = _HOST_POLL
+        me = threading.current_thread()
         while True:
             with self._cv:
-                while not self._engines:
+                while True:
+                    if self._thread is not me:  # the last engine closed (forget): end
+                        return
+                    if self._engines:
+                        break
                     self._cv.wait()
                     pause = _HOST_POLL
                 engines = list(self._engines)
@@ -89,12 +111,18 @@ class Service:
                     if engine not in self._engines:
                         continue
                     self._current = engine
+                failed = False
                 try:
                     device_only = engine._progress_once()
+                except Exception:  # one engine's fault must not stop every group's progress
+                    failed, device_only = True, True
+                    print(f"smddp: the progress thread let go of an engine that raised (its waits still "
+                          f"advance it):\n{traceback.format_exc()}", file=sys.stderr)
                 finally:
                     with self._cv:
                         self._current = None
-                        if engine._idle():
+                        # forget() may have let it go while the thread was inside it
+                        if engine in self._engines and (failed or engine._idle()):
                             self._engines.remove(engine)
                         self._cv.notify_all()
                 backing_off = backing_off and device_only

@@ -70,7 +70,15 @@ from smddp import knobs
 from smddp.comm.base import DONE, HALF, Op, Pending, check_reduction
 from smddp.comm.mismatch import fingerprint
 from smddp.comm.mismatch.fingerprint import mismatch_error, unpaired_error
-from smddp.comm.planes.shm_segment import HEADER, SLOT_BYTES, alive, map_segment, segment_bytes
+from smddp.comm.planes.shm_segment import (
+    HEADER,
+    SLOT_BYTES,
+    SegmentBounded,
+    alive,
+    map_segment,
+    release,
+    segment_bytes,
+)
 from smddp.comm.planes.shm_torch import Counters, TorchOps, _Wait
 from smddp.errors import CollectiveMismatchError, CollectiveTimeout
 
@@ -147,7 +155,8 @@ class Plane(TorchOps):
         self.slot = slot
         self.chunk_bytes, self.one_shot_max = chunk_bytes, one_shot_max
         self.part_bytes = min(chunk_bytes, slot)
-        self.name, self._mm = map_segment(host, group, segment_bytes(self.size, slot))
+        self._nbytes = segment_bytes(self.size, slot)
+        self.name, self._mm = map_segment(host, group, self._nbytes)
         self._words = memoryview(self._mm).cast("q")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._stride = _WORD // 8
@@ -396,6 +405,8 @@ class Plane(TorchOps):
             self._mm.close()
         except BufferError:
             pass  # a tensor view still exists: the mapping goes with the process
+        release(self._nbytes)
+        self._nbytes = 0  # (closed once)
 
 
 class PeerExited(RuntimeError):
@@ -455,6 +466,9 @@ class _Op(Pending):
         return self.done
 
 
+_bound_said = False  # the warning that groups run without shared memory at the bound, once per process
+
+
 def open_plane(host, agreed, group: str = "world") -> Optional[Plane]:
     """A :class:`Plane` over one host's ranks, or None (one warning, on local rank 0) where it cannot be had.
 
@@ -491,6 +505,14 @@ def open_plane(host, agreed, group: str = "world") -> Optional[Plane]:
                      agreed.native_f16[here], agreed.cma_min_bytes if agreed.cma[here] else 0)
     except CollectiveTimeout:
         raise  # a host-mate that never came (a TimeoutError, so an OSError): not a /dev/shm problem
+    except SegmentBounded as exc:
+        # At the process's or the directory's bound (jobs make many groups): said once per process.
+        global _bound_said
+        if host.rank == 0 and not _bound_said:
+            _bound_said = True
+            warnings.warn(f"smddp: group {group!r} and groups after it that pass the bound run their CPU "
+                          f"collectives without shared memory: {exc}", RuntimeWarning, stacklevel=2)
+        return None
     except OSError as exc:
         if host.rank == 0:
             # The reason carries its own advice (shm_segment): a read-only directory is not a small one.

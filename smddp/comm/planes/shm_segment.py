@@ -41,7 +41,7 @@ import uuid
 from typing import Iterator, List, Optional, Tuple
 
 from smddp import knobs
-from smddp.errors import BackendUnavailableError
+from smddp.errors import BackendUnavailableError, CollectiveTimeout
 
 #: Bytes of one buffer; each rank has two.
 SLOT_BYTES = knobs.value("SMDDP_SHM_SLOT_BYTES")
@@ -345,7 +345,7 @@ def _await_reports(host) -> List[dict]:
     """Every rank's outcome, waited for in short sleeps (so that signal handlers run).
 
     Raises:
-        BackendUnavailableError: a rank did not report within the host's timeout.
+        CollectiveTimeout: a rank did not report within the host's timeout.
     """
     keys = [f"mapped/{r}" for r in range(host.size)]
     started = time.monotonic()
@@ -353,10 +353,10 @@ def _await_reports(host) -> List[dict]:
     while not all(host.published(key) for key in keys):
         if time.monotonic() > deadline:
             late = [r for r, key in enumerate(keys) if not host.published(key)]
-            # Not a CollectiveTimeout: that is an OSError (a TimeoutError), which the plane's
-            # set-up takes for a /dev/shm too small and falls back from, on this rank alone.
-            raise BackendUnavailableError(
-                f"the shared-memory plane cannot start: waited {time.monotonic() - started:.0f}s for local "
+            # A host-mate that never came, as hostmates' own waits say it (open_plane lets it through:
+            # not a /dev/shm problem; the engine makes it the collective's timeout).
+            raise CollectiveTimeout(
+                f"the shared-memory plane's set-up waited {time.monotonic() - started:.0f}s for local "
                 f"ranks {late} (host ranks {host.mates.ranks}) to map its segment (removed now)")
         time.sleep(_POLL_S)
     return [_report(host.read(key)) for key in keys]
@@ -395,7 +395,7 @@ def map_segment(host, group: str, nbytes: int) -> Tuple[str, mmap.mmap]:
             host cannot map it: raised on every rank of the host, each with the same reason.
         BackendUnavailableError: a rank refused the name it read, or found no such segment
             (the module says when): raised on every rank of the host.
-            The creator raises it too when a rank has not mapped it within the timeout.
+        CollectiveTimeout: a rank of the host has not mapped it within the timeout (the creator).
     """
     if host.rank != 0:
         name = host.read("segment")

@@ -157,7 +157,7 @@ def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engin
     import torch
 
     from smddp.comm.base import Op
-    from smddp.comm.engine import progress
+    from smddp.comm.engine import completer, progress
 
     before = {t.name for t in threading.enumerate()}
     engines = [_slow_engine() for _ in range(30)]
@@ -170,8 +170,10 @@ def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engin
         torch.futures.wait_all(chained)
         names = [t.name for t in threading.enumerate() if t.name not in before]
         assert names.count("smddp-progress") <= 1, names
-        # completion threads are made as jobs need them and reused: far fewer than the engines
-        assert sum(name.startswith("smddp-completion") for name in names) < 10, names
+        # every engine hands its completions to the process's one Completer (whose threads are made
+        # as concurrent jobs need them and reused): none has threads of its own
+        assert all(engine._completer is completer.COMPLETER for engine in engines)
+        assert {name for name in names if "completion" in name} <= {"smddp-completion"}, names
         assert sorted(seen) == list(range(30)), seen
     finally:
         for engine in engines:
