@@ -6,6 +6,8 @@ rank (AVERAGE's divide and the copy-back never ran; the ring stopped posting its
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from launchers import mpirun, python, rank_lines, torchrun
@@ -179,3 +181,49 @@ def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engin
         for engine in engines:
             engine.close()
     assert all(not progress.SERVICE.serves(engine) for engine in engines)  # each let go as it closed
+
+
+@pytest.mark.unit
+def test_an_engine_closed_while_the_progress_thread_is_inside_it_leaves_the_thread_serving_the_others():
+    """close() lets an engine go while the process's progress thread is inside it: the thread must go
+    on serving every other engine (it once removed the engine a second time, died of the ValueError,
+    and every group's asynchronous collectives waited for ever)."""
+    import threading
+
+    from smddp.comm.engine.progress import Service
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Fake:
+        def __init__(self, block: bool):
+            self.block, self.passes = block, 0
+
+        def _progress_once(self) -> bool:
+            self.passes += 1
+            if self.block and not release.is_set():
+                inside.set()
+                release.wait(10)
+            return False
+
+        def _idle(self) -> bool:
+            return True  # nothing in flight: the thread lets it go after a pass
+
+    service = Service()
+    closing, other = Fake(block=True), Fake(block=False)
+    service.attach(closing)
+    service.attach(other)
+    service.wake(closing)
+    assert inside.wait(10), "the progress thread never passed over the engine"
+    forgetting = threading.Thread(target=service.forget, args=(closing,))
+    forgetting.start()  # waits for the thread to leave the engine
+    release.set()
+    forgetting.join(10)
+    assert not forgetting.is_alive()
+    thread = service._thread
+    service.wake(other)  # the same thread serves the next engine with work
+    deadline = time.monotonic() + 10
+    while other.passes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert other.passes > 0 and thread is not None and thread.is_alive() and service._thread is thread
+    service.forget(other)  # the last engine closes: the thread ends
+    assert not thread.is_alive() and service._thread is None
