@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -55,6 +54,9 @@ from typing import Dict, List
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+from launchers_cpu import fmt_time, run_worker  # noqa: E402 - the job runner, next to this file
+
 DEFAULT_SIZES = "64K,1M,16M"
 LAUNCHERS = ("mpirun", "torchrun", "smddprun", "smddprun-local")
 METHODS = ("smddp", "ref", "floor")
@@ -207,20 +209,7 @@ def _command(launcher: str, np: int, worker_args: List[str]) -> List[str]:
 
 
 def run_job(launcher: str, np: int, worker_args: List[str], tree: Path, extra_env: Dict[str, str]) -> Dict:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])), **extra_env)
-    done = subprocess.run(_command(launcher, np, worker_args), env=env, capture_output=True, text=True, timeout=900,
-                          cwd=str(tree))
-    for line in done.stdout.splitlines():
-        head, _, body = line.partition("RESULT ")
-        if body and ("]" in head or not head.strip()):
-            return json.loads(body)
-    raise RuntimeError(f"{launcher} job failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-
-
-def _fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+    return run_worker(launcher, _command(launcher, np, worker_args), tree, extra_env)
 
 
 def _load() -> str:
@@ -286,8 +275,8 @@ def report(launcher: str, np: int, sizes: List[int], runs: Dict[str, List[Dict]]
                 if m == "smddp":
                     bar = f"MISS (jobs {', '.join(str(i + 1) for i in slow)})" if slow else "PASS"
                 label = first["ref"] if m == "ref" else m
-                print(f"{format_size(nbytes):<6}{label[:8]:<8}{len(values):>5}{_fmt(min(values)):>11}{_fmt(med):>11}"
-                      f"{_fmt(max(values)):>11}{max(values) / med:>8.2f}x{over:>5}   {bar}")
+                print(f"{format_size(nbytes):<6}{label[:8]:<8}{len(values):>5}{fmt_time(min(values)):>11}{fmt_time(med):>11}"
+                      f"{fmt_time(max(values)):>11}{max(values) / med:>8.2f}x{over:>5}   {bar}")
                 row[m] = {"min": min(values), "median": med, "max": max(values), "over_2x": over, "jobs": values}
             row["slow_jobs"] = [i + 1 for i in slow]
             tree_summary[format_size(nbytes)] = row
@@ -346,8 +335,8 @@ def main(argv=None) -> int:
             job["load"], job["wall_s"] = load, time.monotonic() - began
             runs[str(tree)].append(job)
             print(f"job {i + 1}/{args.jobs} ({tree.name or tree}): load {load}, "
-                  + ", ".join(f"{format_size(n)} smddp {_fmt(job['sizes'][str(n)]['median_s']['smddp'])} "
-                              f"ref {_fmt(job['sizes'][str(n)]['median_s']['ref'])}" for n in sizes),
+                  + ", ".join(f"{format_size(n)} smddp {fmt_time(job['sizes'][str(n)]['median_s']['smddp'])} "
+                              f"ref {fmt_time(job['sizes'][str(n)]['median_s']['ref'])}" for n in sizes),
                   file=sys.stderr, flush=True)
     summary = report(args.launcher, args.np, sizes, runs, args.rounds, argv, format_size)
     print(f"\n# load average after: {_load()}")

@@ -33,7 +33,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -92,21 +92,29 @@ def _command(launcher: str, np: int, sizes: str) -> List[str]:
     return [sys.executable, "-m", "smddp.launch", "--launcher", "local", "-np", str(np), *me]
 
 
-def run_job(launcher: str, np: int, sizes: str) -> Dict:
+def run_worker(name: str, command: List[str], tree: Path = ROOT, extra_env: Optional[Dict[str, str]] = None) -> Dict:
+    """Run one job of a benchmark's workers (``command``), importing ``tree``'s smddp; its RESULT line, parsed.
+
+    Also used by allreduce_jobs.py. Raises RuntimeError with the job's output tail if no rank printed one.
+    """
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    if launcher == "torchrun-gloo":
-        env["SMDDP_CPU_PLANE"] = "gloo"
-    done = subprocess.run(_command(launcher, np, sizes), env=env, capture_output=True, text=True, timeout=900)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+               **(extra_env or {}))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=str(tree))
     for line in done.stdout.splitlines():
         head, _, body = line.partition("RESULT ")
         if body and ("]" in head or not head.strip()):
             return json.loads(body)
-    raise RuntimeError(f"{launcher} job failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    raise RuntimeError(f"{name} job failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 
 
-def _fmt(seconds: float) -> str:
+def run_job(launcher: str, np: int, sizes: str) -> Dict:
+    extra = {"SMDDP_CPU_PLANE": "gloo"} if launcher == "torchrun-gloo" else None
+    return run_worker(launcher, _command(launcher, np, sizes), extra_env=extra)
+
+
+def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
         med = {name: statistics.median(job["medians"][key] for job in results[name]) for name in launchers}
         ratio = {name: statistics.median(results[name][i]["medians"][key] / results["mpirun"][i]["medians"][key]
                                          for i in range(args.rounds)) for name in launchers if name != "mpirun"}
-        line = f"{format_size(nbytes):<7}" + "".join(f"{_fmt(med[name]):>18}" for name in launchers)
+        line = f"{format_size(nbytes):<7}" + "".join(f"{fmt_time(med[name]):>18}" for name in launchers)
         line += "".join(f"{ratio[name]:>21.2f}x" for name in ratio)
         print(line)
         summary[key] = {"median_seconds": med, "ratio_to_mpirun": ratio}
