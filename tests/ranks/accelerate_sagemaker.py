@@ -19,6 +19,7 @@ mode sets it).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -69,3 +70,9 @@ if os.environ.get("SM_OUTPUT_DATA_DIR"):
     with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"accelerate-{rank}.json"), "w") as f:
         json.dump(report, f)
 accelerator.end_training()
+# torch's gloo drops a finished collective's Work on its own worker thread, and a Work that
+# outlives the interpreter aborts the process at exit ("terminate called without an active
+# exception", pytorch/pytorch#179291); the wrapped model keeps the group alive past
+# destroy_process_group, so free it now: the group's destructor joins its threads.
+del model, optimizer, loader, accelerator
+gc.collect()
