@@ -289,8 +289,8 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "how long a collective may take, in seconds, before CollectiveTimeout (when the script "
          "passes no timeout=)"),
     Knob("SMDDP_DEBUG", False, Switch("info", "detail"),
-         "compare every collective across ranks before it runs (names the mismatch), and print "
-         "the CPU plane each group took",
+         "compare every collective across ranks before it runs (names the mismatch), print "
+         "the CPU plane each group took, and at the end how long each rank waited for a CPU",
          "one small exchange per collective"),
     Knob("SMDDP_ALIAS_SMDISTRIBUTED", True, Switch(),
          "0: processes smddprun starts do not map smdistributed imports to smddp"),

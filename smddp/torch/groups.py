@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import List, Optional
@@ -32,10 +33,10 @@ import torch.distributed as tdist
 from smddp import _compat, comm, knobs
 from smddp.comm import subgroups
 from smddp.comm.base import Context
-from smddp.comm.engine import Engine
+from smddp.comm.engine import Engine, debug
 from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
-from smddp.job import limits
+from smddp.job import limits, run_delay
 from smddp.job.topology import Topology, discover
 from smddp.torch import _functional_backends, _init_methods, _labels
 from smddp.torch.delegating_group import DelegatingProcessGroup
@@ -50,6 +51,8 @@ _world_topology: Optional[Topology] = None
 _world_keys = ""
 _lock = threading.Lock()
 _subgroups: List[SmddpProcessGroup] = []
+#: Under ``SMDDP_DEBUG``, the main thread's run delay since the world was asked for.
+_world_meter: Optional[run_delay.Meter] = None
 
 #: torch destroys the world group through its shutdown() (see _compat): then ``_world``
 #: alone says whether it is live, and current() costs no call into torch (it is on the path
@@ -115,7 +118,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         InvalidGroupError: a subgroup was asked for while the default group is not smddp's.
         BackendUnavailableError: no backend can serve the group (the error says what can).
     """
-    global _world, _world_topology, _world_keys
+    global _world, _world_topology, _world_keys, _world_meter
     timeout = resolve_timeout(options.timeout)
     name = getattr(options, "group_id", "") or ""
     if not tdist.is_initialized():
@@ -146,6 +149,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         # shared memory would stay until exit, one set per init_process_group().
         destroy()
         _tear_down_at_exit()
+        meter = run_delay.Meter() if debug.enabled() else None
         topology, ranks = _world_topology_for(options.group_rank, options.group_size), None
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
@@ -175,7 +179,7 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
     group.native_backends = _functional_backends.attach(
         group, store, topology.rank, topology.size, timeout, name, delegate, ranks)
     if ranks is None:
-        _world, _world_topology = group, topology
+        _world, _world_topology, _world_meter = group, topology, meter
     else:
         with _lock:
             _subgroups.append(group)
@@ -227,12 +231,15 @@ def _shut_down(group: SmddpProcessGroup) -> None:
 def destroy() -> None:
     """Close the world group and every subgroup, and forget them (torch's own groups are
     destroyed by the caller)."""
-    global _world
+    global _world, _world_meter
     with _lock:
         closing, _subgroups[:] = list(_subgroups), []
     if _world is not None:
         closing.append(_world)
-        _world = None
+        said = _world_meter.report(_world_topology.rank) if _world_meter is not None else None
+        if said is not None:  # SMDDP_DEBUG: whether the job's CPUs were taken (issue 55)
+            print(said, file=sys.stderr, flush=True)
+        _world, _world_meter = None, None
     for group in closing:
         _close(group)
 

@@ -48,11 +48,14 @@ def test_smddprun_on_one_host():
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_torchrun_standalone(np):
-    """On 2 ranks with ``SMDDP_DEBUG=1``, which also says which plane and why."""
+    """On 2 ranks with ``SMDDP_DEBUG=1``, which also says which plane and why, and at the end how
+    long each rank's main thread waited for a CPU."""
     result = torchrun(np, [SCRIPT, "v2"], timeout=180, env={"SMDDP_DEBUG": "1"} if np == 2 else None)
     assert_plane(result, np, "gloo", "shm")
     if np == 2:
         assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.output, result.output
+        for rank in range(np):
+            assert f"smddp: rank {rank}: its main thread waited for a CPU " in result.output, result.output
 
 
 def test_torchrun_v1_api():
