@@ -133,7 +133,7 @@ def meet(ctx: Context, found: PlaneSettings) -> Context:
     if ctx.topology.size == 1 or ctx.store is None:
         return ctx
     from smddp.comm.planes import shm, shm_cma
-    from smddp.comm.planes.shm_segment import supported
+    from smddp.comm.planes.shm_segment import missing_dir, supported
 
     tuning = {"slot": found.slot, "chunk": found.chunk_bytes, "one_shot": found.one_shot_max,
               "cma_min": found.cma_min_bytes, "hier_min": found.hierarchical_min_bytes}
@@ -142,6 +142,9 @@ def meet(ctx: Context, found: PlaneSettings) -> Context:
     mine = layout.proposal(found.plane, supported(), core, core and bool(shm.native.HAVE_FLOAT16), tuning,
                            cma=offer)
     agreed = layout.agree(_plane_store(ctx), ctx.topology.rank, ctx.topology.size, mine, shm_cma.refusal)
+    missing = missing_dir() if ctx.topology.rank == 0 else None
+    if missing is not None:
+        warnings.warn(f"smddp: {missing}", RuntimeWarning, stacklevel=2)
     return _with_layout(ctx, agreed)
 
 

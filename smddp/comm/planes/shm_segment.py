@@ -100,6 +100,15 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
+def missing_dir() -> Optional[str]:
+    """Why the plane is off where the user named its directory (``SMDDP_SHM_DIR`` set) and it is not
+    one, with what to change; None otherwise (a machine without ``/dev/shm`` is no one's mistake)."""
+    if os.path.isdir(SHM_DIR) or knobs.origin("SMDDP_SHM_DIR") != "environment":
+        return None
+    return (f"{_dir_words()} is not a directory: the shared-memory plane is off and this job's CPU "
+            f"collectives take the flat path (slower); {_ELSEWHERE}, or unset it")
+
+
 def segment_bytes(local_size: int, slot: int = SLOT_BYTES) -> int:
     """Bytes of the segment for ``local_size`` ranks."""
     return HEADER + local_size * 2 * slot

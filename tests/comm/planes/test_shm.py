@@ -132,6 +132,16 @@ def test_dev_shm_too_small_falls_back_to_mpi_with_one_warning():
     assert "--shm-size" in result.output
 
 
+def test_a_shm_dir_that_is_not_one_is_said_once_and_the_job_runs_on_mpi(tmp_path):
+    # SMDDP_SHM_DIR named by the user and missing: said (with the variable) on rank 0, never silent.
+    missing = tmp_path / "no-such-dir"
+    result = mpirun(2, [str(RANKS / "plane_report.py"), "v1"], timeout=120, env={"SMDDP_SHM_DIR": str(missing)})
+    assert result.returncode == 0, result.output
+    assert rank_lines(result.stdout, "PLANE") == {0: "mpi mpi", 1: "mpi mpi"}, result.output
+    said = f"SMDDP_SHM_DIR={missing} (environment) is not a directory: the shared-memory plane is off"
+    assert result.stderr.count(said) == 1, result.stderr
+
+
 def test_kill_9_leaves_nothing_behind():
     # A segment a crash during set-up left behind: its creator's pid no longer exists.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
