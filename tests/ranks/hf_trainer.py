@@ -17,6 +17,7 @@ and after (and writes the JSON into ``SM_OUTPUT_DATA_DIR`` when local mode sets 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -68,3 +69,7 @@ if os.environ.get("SM_OUTPUT_DATA_DIR"):
     with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"hf_trainer-{rank}.json"), "w") as f:
         json.dump(report, f)
 dist.destroy_process_group()
+# As accelerate_sagemaker.py: the wrapped model keeps torch's gloo group (the reference run's) alive
+# past destroy_process_group, and its worker threads may abort the process at exit (pytorch#179291).
+del trainer, model
+gc.collect()
