@@ -30,22 +30,12 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import knobs
-from smddp.comm.base import (
-    Communicator,
-    Context,
-    Op,
-    Pending,
-    average,
-    bool_as_bytes,
-    check_reduction,
-    combine,
-    reduce_rows,
-    widened,
-)
+from smddp.comm.base import Communicator, Context, Pending
 from smddp.comm.mismatch import checked
 from smddp.comm.mismatch.checked import as_bytes, rows_of
 from smddp.comm.mismatch.fingerprint import Print, signature
 from smddp.comm.needs import MPI_INSTALL
+from smddp.comm.reduction import Op, average, bool_as_bytes, check_reduction, combine, reduce_rows, widened
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job import excepthook, mca
 
@@ -79,9 +69,9 @@ _MPI_TYPES = {
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
 }
-# float16 and bfloat16 are reduced in float32 (comm.base.HALF): no MPI half type is needed,
+# float16 and bfloat16 are reduced in float32 (comm.reduction.HALF): no MPI half type is needed,
 # so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too. bool is reduced as its bytes
-# (comm.base.bool_as_bytes): MPI's C_BOOL has no MIN, MAX or bitwise ops.
+# (comm.reduction.bool_as_bytes): MPI's C_BOOL has no MIN, MAX or bitwise ops.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
 #: Bytes of data that ride in a checked collective's row (an all-reduce this small takes no

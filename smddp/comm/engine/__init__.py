@@ -43,7 +43,7 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll, then
+from smddp.comm.base import DONE, Communicator, Failed, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.arguments import Checks, check_writable
@@ -52,6 +52,8 @@ from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.progress import SERVICE, Progress
 from smddp.comm.engine.stall import labelled
+from smddp.comm.reduction import Op
+from smddp.comm.waiting import poll
 from smddp.errors import (
     CollectiveError,
     CollectiveMismatchError,

@@ -14,7 +14,7 @@ whether or not Python still holds the handle. C++ that waits on it (``wait()``) 
 this module's wait loop, which needs nothing but the engine. Torch's ``PythonCallbackWork``
 has no C++ ``result()``: C++ reads the result through the future, as DDP's reducer does.
 
-A handle waits through :func:`smddp.comm.base.poll`, smddp's one wait loop.
+A handle waits through :func:`smddp.comm.waiting.poll`, smddp's one wait loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 import torch
 
 from smddp import _compat
-from smddp.comm.base import DONE, Pending, poll
+from smddp.comm.base import DONE, Pending
+from smddp.comm.waiting import poll
 from smddp.errors import WaitTimeout
 
 if TYPE_CHECKING:

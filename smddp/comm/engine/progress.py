@@ -18,9 +18,9 @@ import time
 import traceback
 from typing import Callable, Deque, List, Optional, Sequence
 
-from smddp.comm.base import poll
 from smddp.comm.engine.completer import COMPLETER, Completer, completion
 from smddp.comm.engine.handle import Handle, settle, settle_on_device
+from smddp.comm.waiting import poll
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
 #: Seconds between the progress thread's polls of operations the host moves.

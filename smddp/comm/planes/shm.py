@@ -23,7 +23,7 @@ buffers. No trailing barrier: the epoch words order everything.
 - float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does; bool
   is reduced as its bytes (SUM an or, PRODUCT an and, as torch's and gloo's bool arithmetic);
   the bitwise ops reduce integers and bool, and a reduction a dtype has not is refused before
-  any step (:func:`~smddp.comm.base.check_reduction`).
+  any step (:func:`~smddp.comm.reduction.check_reduction`).
 - Operations run one at a time in issue order (a later operation waits for the earlier
   ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
   engine's deadline, its progress thread and its timeouts apply as they do to MPI.
@@ -67,7 +67,7 @@ from typing import Iterator, Optional
 import torch
 
 from smddp import knobs
-from smddp.comm.base import DONE, HALF, Op, Pending, check_reduction
+from smddp.comm.base import DONE, Pending
 from smddp.comm.mismatch import fingerprint
 from smddp.comm.mismatch.fingerprint import mismatch_error, unpaired_error
 from smddp.comm.planes.shm_segment import (
@@ -80,6 +80,7 @@ from smddp.comm.planes.shm_segment import (
     segment_bytes,
 )
 from smddp.comm.planes.shm_torch import Counters, TorchOps, _Wait
+from smddp.comm.reduction import HALF, Op, check_reduction
 from smddp.errors import CollectiveMismatchError, CollectiveTimeout
 
 try:

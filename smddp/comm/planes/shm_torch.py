@@ -18,10 +18,10 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from smddp.comm.base import HALF as _HALF
-from smddp.comm.base import Op, average, combine
 from smddp.comm.mismatch.fingerprint import Print, mismatch_error, signature
 from smddp.comm.planes.shm_segment import HEADER
+from smddp.comm.reduction import HALF as _HALF
+from smddp.comm.reduction import Op, average, combine
 
 #: All-reduces up to this many bytes run in one step (every rank reduces everything). Fixed:
 #: ``SMDDP_SHM_ONE_SHOT_MAX`` tunes the compiled core, whose copies cost less per step.
@@ -29,7 +29,7 @@ ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
-#: The first fold of two parts, into the output (:func:`~smddp.comm.base.combine` folds the rest).
+#: The first fold of two parts, into the output (:func:`~smddp.comm.reduction.combine` folds the rest).
 #: bool folds as torch's bool arithmetic does: SUM an or, PRODUCT an and (the compiled core's bits).
 _PAIRWISE = {Op.SUM: torch.add, Op.AVERAGE: torch.add, Op.MIN: torch.minimum, Op.MAX: torch.maximum,
              Op.PRODUCT: torch.mul, Op.BAND: torch.bitwise_and, Op.BOR: torch.bitwise_or,
