@@ -1,9 +1,12 @@
 """smddp's communication: the registry that picks a backend, and the parts beneath it.
 
 - :mod:`smddp.comm.engine`: runs every collective (order, checks, deadlines, failures);
-- :mod:`smddp.comm.backends`: one communicator module per library;
+- :mod:`smddp.comm.backends`: one communicator module per library (the CPU ones named once, in
+  :mod:`smddp.comm.backends.cpu`);
+- :mod:`smddp.comm.planes`: a group's CPU communicator, shared memory composed over the flat one;
 - :mod:`smddp.comm.algorithms`: collectives built from the engine's own;
-- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.subgroups`
+- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.reduction` (what a
+  reduction means), :mod:`smddp.comm.waiting` (the wait loop), :mod:`smddp.comm.subgroups`
   (subgroups) and :mod:`smddp.comm.store` (the job's store).
 
 Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
