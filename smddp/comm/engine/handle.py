@@ -364,6 +364,29 @@ class Handle(_WorkBase):
         engine's start lock)."""
         self._settled = True
 
+    def cancel(self, error: BaseException) -> None:
+        """A collective issued before it failed and left the ranks out of step: it fails with ``error``
+        (a finished one too: its success no longer counts). Under the engine's lock."""
+        if self._finished:
+            self._error = error
+        else:
+            self._finish_failed(error)
+
+    def take_callbacks(self) -> List[Callable[[Handle], None]]:
+        """Its done-callbacks, to run now it has finished; a callback added from now on runs at once.
+        Under the engine's lock."""
+        callbacks, self._callbacks = self._callbacks, None
+        return callbacks
+
+    def callback_failed(self, error: BaseException) -> None:
+        """A done-callback raised: the operation fails with ``error`` unless it had failed already."""
+        if self._error is None:
+            self._error = error
+
+    def mark_done(self) -> None:
+        """It and every collective issued before it are done, and its done-callbacks have run."""
+        self._done = True
+
     def abandon(self, error: BaseException) -> None:
         """Its group is destroyed with it in flight: done, with its own error or else ``error``, and
         settled, so that a wait on it (from C++ too) raises instead of waiting for ever."""

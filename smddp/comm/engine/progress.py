@@ -195,10 +195,7 @@ class Progress:
                         f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
                         f"before it, failed: {failed._error}")
                     cancelled.__cause__ = failed._error
-                    if handle._finished:
-                        handle._error = cancelled
-                    else:
-                        handle._finish_failed(cancelled)
+                    handle.cancel(cancelled)
                 elif not handle._finished:
                     handle._advance(now)
                 if not handle.ordered or blocked is None:
@@ -211,17 +208,14 @@ class Progress:
                         if handle._callbacks:
                             finished.append(handle)  # done once its callbacks have run
                         else:
-                            handle._done = True
+                            handle.mark_done()
                             settled.append(handle)
                         continue
                     if handle.ordered:
                         blocked = handle
                 keep.append(handle)
             self._inflight = keep
-            callbacks = []
-            for handle in finished:
-                callbacks.append(handle._callbacks)
-                handle._callbacks = None  # completing: a callback added now runs at once
+            callbacks = [handle.take_callbacks() for handle in finished]
         if not finished and not settled:
             return
         if inline:
@@ -235,7 +229,7 @@ class Progress:
         for handle, calls in zip(finished, callbacks):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
-            handle._done = True
+            handle.mark_done()
             self._settle(handle)
         for handle in settled:
             self._settle(handle)
@@ -310,8 +304,7 @@ class Progress:
                 )
                 error.__cause__ = exc
                 print(f"smddp: {error}", file=sys.stderr)
-                if handle._error is None:
-                    handle._error = error
+                handle.callback_failed(error)
 
     def _progress_once(self) -> bool:
         """One pass of the progress thread over this engine; True if only stream-ordered operations,
