@@ -153,6 +153,11 @@ class _Offloaded(Pending):
         self._after = after
         self._keep = keep  # MPI holds raw addresses: keep the tensors alive
 
+    def ran(self, error: Optional[BaseException]) -> None:
+        """The worker thread has run the call (``error``: what it raised, else None)."""
+        self._error = error
+        self._finished.set()
+
     def test(self) -> bool:
         if not self._finished.is_set():
             return False
@@ -280,11 +285,12 @@ class MPICommunicator(Communicator):
             if item is None:
                 return
             call, args, kwargs, pending = item
+            error = None
             try:
                 call(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
-                pending._error = exc
-            pending._finished.set()
+                error = exc
+            pending.ran(error)
 
     def _checked_all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))
