@@ -67,7 +67,7 @@ import torch.distributed as tdist
 import smddp
 import smddp.torch.distributed as dist
 from smddp.bench import format_size, parse_size
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 from smddp.info.report import cpu_model
 
 BARS = {  # size: (min gloo/smddp, max smddp/mpi4py-tensor)

@@ -81,7 +81,7 @@ class TorchImpl(Impl):
     def __init__(self, group, name: str, backend: str, emulate_avg: bool = False):
         import torch.distributed as tdist
 
-        from smddp.comm.base import average as _average
+        from smddp.comm.reduction import average as _average
 
         self._average = _average
         self.tdist, self.group, self.name, self.backend = tdist, group, name, backend

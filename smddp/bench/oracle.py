@@ -40,7 +40,7 @@ def expected(op: str, rank: int, world_size: int, count: int, dtype, redop: str 
     """
     import torch
 
-    from smddp.comm.base import average
+    from smddp.comm.reduction import average
 
     n = world_size
     total = count * n if op in ("all_gather", "all_to_all") else count

@@ -1,9 +1,12 @@
 """smddp's communication: the registry that picks a backend, and the parts beneath it.
 
 - :mod:`smddp.comm.engine`: runs every collective (order, checks, deadlines, failures);
-- :mod:`smddp.comm.backends`: one communicator module per library;
+- :mod:`smddp.comm.backends`: one communicator module per library (the CPU ones named once, in
+  :mod:`smddp.comm.backends.cpu`);
+- :mod:`smddp.comm.planes`: a group's CPU communicator, shared memory composed over the flat one;
 - :mod:`smddp.comm.algorithms`: collectives built from the engine's own;
-- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.subgroups`
+- :mod:`smddp.comm.base` (the communicator interface), :mod:`smddp.comm.reduction` (what a
+  reduction means), :mod:`smddp.comm.waiting` (the wait loop), :mod:`smddp.comm.subgroups`
   (subgroups) and :mod:`smddp.comm.store` (the job's store).
 
 Selection order: ``init_process_group(backend=...)``, then the ``SMDDP_BACKEND``
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from smddp import knobs
+from smddp.comm.backends.cpu import CPU_BACKENDS
 from smddp.comm.needs import CUDA_INSTALL, MPI_INSTALL, TORCH_CUDA_INSTALL, XPU_INSTALL, has_module  # noqa: F401 - re-exported
 from smddp.errors import BackendUnavailableError
 from smddp.job.topology import Topology
@@ -39,18 +43,11 @@ class BackendInfo:
     delegated: bool = False
 
 
+#: Every backend, by name: the CPU ones from their registry (:mod:`smddp.comm.backends.cpu`), the
+#: device ones below.
 BACKENDS: Dict[str, BackendInfo] = {
-    info.name: info
-    for info in (
-        BackendInfo("mpi", "smddp.comm.backends.mpi:MPICommunicator", "cpu",
-                    MPI_INSTALL,
-                    "MPI through mpi4py; CPU tensors; the default under an MPI launcher"),
-        BackendInfo("gloo", "smddp.comm.backends.gloo:GlooCommunicator", "cpu",
-                    "a torch build with gloo (every official wheel has it)",
-                    "torch's gloo; CPU tensors; the default under torchrun or without mpi4py"),
-        BackendInfo("local", "smddp.comm.backends.local:LocalCommunicator", "cpu",
-                    "nothing", "a world of one process: no communication at all"),
-    )
+    name: BackendInfo(name, backend.target, "cpu", backend.needs, backend.summary)
+    for name, backend in CPU_BACKENDS.items()
 }
 
 
@@ -230,7 +227,8 @@ def create_communicators(name: str, ctx) -> Dict[str, object]:
     from smddp.comm.planes import choose  # imports torch: not at the registry's import
 
     found = choose.settings()
-    if name in ("mpi", "gloo"):
+    cpu_backend = CPU_BACKENDS.get(name)
+    if cpu_backend is not None and cpu_backend.planes:
         return {"cpu": choose.build(name, ctx, found)}
     companion = choose.companion(ctx.topology, has_module("mpi4py"), found)
     if BACKENDS[name].delegated:

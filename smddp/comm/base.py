@@ -8,47 +8,26 @@ contiguous, detached tensors on its device, flat buffers for ``all_gather`` and
 Pending (and so every buffer it references) until it completes, whoever holds the handle.
 
 ``reduce_scatter`` is optional: a backend without its own keeps the default, and the engine
-derives it from ``all_to_all_single``. Half precision is reduced in float32 on every CPU
-backend (:data:`HALF`, :func:`widened`). Stream-ordered operations (NCCL) use two optional
-hooks of :class:`Pending` (:meth:`Pending.waited`, :meth:`Pending.queue_after`), and a
+derives it from ``all_to_all_single``. What a reduction means (:class:`~smddp.comm.reduction.Op`,
+half precision in float32, which dtypes have which op) is :mod:`smddp.comm.reduction`'s; how a
+caller waits for a Pending is :mod:`smddp.comm.waiting`'s. Stream-ordered operations (NCCL) use
+two optional hooks of :class:`Pending` (:meth:`Pending.waited`, :meth:`Pending.queue_after`), and a
 communicator that watches its own deadlines reports through :attr:`Communicator.on_timeout`.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from smddp.errors import BackendUnavailableError, InvalidTypeError
+from smddp.comm.reduction import Op, check_reduction
+from smddp.comm.waiting import poll  # noqa: F401 - tests/comm/engine/test_timeouts_and_failures.py's import, until it moves
+from smddp.errors import BackendUnavailableError
 from smddp.job.topology import Topology
-
-
-class Op(enum.Enum):
-    """Reduction operations a communicator understands.
-
-    Their order gives their codes (:data:`smddp.comm.mismatch.fingerprint.OPS`, the compiled core's
-    ``R_*`` in ``_shm_fold.h``): a new one goes at the end. The bitwise ones (:data:`BITWISE`)
-    take integer and bool tensors (:func:`check_reduction`).
-    """
-
-    SUM = "sum"
-    AVERAGE = "average"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    BAND = "band"
-    BOR = "bor"
-    BXOR = "bxor"
-
-    # Members are singletons compared by identity: hash them in C, not with Enum's Python
-    # __hash__ (every collective looks its op up in a table).
-    __hash__ = object.__hash__
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,114 +40,6 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad:
         tensor = tensor.detach()
     return tensor.contiguous().flatten()
-
-
-def average(tensor: torch.Tensor, size: int) -> None:
-    """Turn a SUM into smddp's AVERAGE in place: divide by ``size`` (integers round toward zero)."""
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
-
-
-#: Half-precision tensors are reduced in float32, then rounded once, on every CPU backend
-#: (mpi, gloo, and the derived reduce-scatter): a result does not depend on the backend or
-#: on rounding at each step. NCCL reduces in the dtype, as torch's NCCL group does.
-HALF = (torch.float16, torch.bfloat16)
-
-
-def widened(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself, or a float32 copy of a half-precision one, to reduce in."""
-    return tensor.float() if tensor.dtype in HALF else tensor
-
-
-#: The bitwise reductions: integer and bool tensors only, as gloo has them (NCCL has none).
-BITWISE = frozenset({Op.BAND, Op.BOR, Op.BXOR})
-#: The reductions of numbers, which every backend has.
-ARITHMETIC = (Op.SUM, Op.AVERAGE, Op.MIN, Op.MAX, Op.PRODUCT)
-_NOT_FOR_EVERY_DTYPE = BITWISE | {Op.AVERAGE}
-
-
-def check_reduction(dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
-    """Refuse a reduction that tensors of ``dtype`` do not have, before anything is sent.
-
-    gloo's rules, on every CPU plane: a bitwise op (``BAND``, ``BOR``, ``BXOR``) of
-    floating-point or complex numbers (gloo: "Cannot use ReduceOp.BAND with non-integral
-    dtype"), and AVERAGE of bools (gloo fails it; torch's NCCL group refuses it).
-
-    Args:
-        dtype: the tensors' dtype.
-        op: the reduction.
-        what: the collective, for the message.
-
-    Raises:
-        InvalidTypeError: naming the op and the dtype.
-    """
-    if op not in _NOT_FOR_EVERY_DTYPE:
-        return
-    if op is Op.AVERAGE:
-        if dtype is torch.bool:
-            raise InvalidTypeError(
-                f"{what}: AVERAGE of bool tensors is refused (gloo fails it, torch's NCCL group refuses it); "
-                f"use SUM (a logical or), MIN, MAX or a bitwise op, or convert to a number type")
-    elif dtype.is_floating_point or dtype.is_complex:
-        name = str(dtype).replace("torch.", "")
-        raise InvalidTypeError(
-            f"{what}: {op.name} of {name} tensors is refused, as by gloo: the bitwise reductions (BAND, BOR, "
-            f"BXOR) take integer and bool tensors")
-
-
-#: bool reduced as its bytes (0 and 1 as uint8) where a library has no bool type (MPI): SUM and
-#: PRODUCT become MAX and MIN, a logical or and a logical and, as gloo's bool arithmetic (no
-#: 1 + 1 = 2); MIN, MAX and the bitwise ops act on 0 and 1 as logic does.
-_BOOL_AS_BYTES = {Op.SUM: Op.MAX, Op.PRODUCT: Op.MIN}
-
-
-def bool_as_bytes(tensor: torch.Tensor, op: Op):
-    """``(tensor, op)``, or for a bool tensor its uint8 view and the op that reduces it so.
-
-    Check the pair first (:func:`check_reduction`: AVERAGE of bools is refused).
-    """
-    if tensor.dtype is torch.bool:
-        return tensor.view(torch.uint8), _BOOL_AS_BYTES.get(op, op)
-    return tensor, op
-
-
-def combine(acc: torch.Tensor, incoming: torch.Tensor, op: Op) -> None:
-    """Fold ``incoming`` into ``acc`` in place with ``op`` (AVERAGE folds as a sum).
-
-    bool tensors fold as torch's bool arithmetic does: SUM an or, PRODUCT an and.
-    """
-    if op in (Op.SUM, Op.AVERAGE):
-        acc.add_(incoming)
-    elif op is Op.MIN:
-        torch.minimum(acc, incoming, out=acc)
-    elif op is Op.MAX:
-        torch.maximum(acc, incoming, out=acc)
-    elif op is Op.PRODUCT:
-        acc.mul_(incoming)
-    elif op is Op.BAND:
-        acc.bitwise_and_(incoming)
-    elif op is Op.BOR:
-        acc.bitwise_or_(incoming)
-    else:
-        acc.bitwise_xor_(incoming)
-
-
-def reduce_rows(rows: torch.Tensor, op: Op, out: torch.Tensor) -> None:
-    """Reduce the rows of ``rows`` (``size x n``) in row order into ``out`` (``n`` elements).
-
-    Args:
-        rows: one row per rank, rank order.
-        op: the reduction; AVERAGE divides the sum by the number of rows (integers truncate).
-        out: where the result goes (any shape with ``n`` elements).
-    """
-    acc = rows[0].to(torch.float32 if rows.dtype in HALF else rows.dtype, copy=True)
-    for row in rows[1:]:
-        combine(acc, row, op)
-    if op is Op.AVERAGE:
-        average(acc, rows.shape[0])
-    out.detach().copy_(acc.view(out.shape))
 
 
 class Pending(abc.ABC):
@@ -374,7 +245,8 @@ class Communicator(abc.ABC):
 
         Optional: a backend without a native reduce-scatter keeps this default, and the engine
         builds it from ``all_to_all_single`` (:func:`smddp.comm.algorithms.derived.reduce_scatter_tensor`).
-        Half precision is reduced in float32 (:data:`HALF`); AVERAGE divides the sum by ``size``.
+        Half precision is reduced in float32 (:data:`~smddp.comm.reduction.HALF`); AVERAGE divides the
+        sum by ``size``.
 
         Args:
             output: flat, contiguous; receives this rank's slice of the reduction.
@@ -390,14 +262,14 @@ class Communicator(abc.ABC):
     def check_reduction(self, dtype: torch.dtype, op: Op, what: str = "all_reduce") -> None:
         """Refuse a reduction this communicator has not for ``dtype``, before anything is sent.
 
-        gloo's rules by default (the module's :func:`check_reduction`); a device backend adds its
+        gloo's rules by default (:func:`smddp.comm.reduction.check_reduction`); a device backend adds its
         library's (NCCL has no bitwise ops). The engine's derived collectives, which reduce
         locally what the communicator moved, ask it before they start.
 
         Raises:
             InvalidTypeError, InvalidArgumentError: naming the op.
         """
-        check_reduction(dtype, op, what)  # the module's function
+        check_reduction(dtype, op, what)  # smddp.comm.reduction's
 
     @property
     def native_reduce_scatter(self) -> bool:
@@ -425,64 +297,3 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most backends have nothing to release
         """Release the library's resources. Called once, at ``destroy_process_group()``."""
-
-
-# ---------------------------------------------------------------------------- waiting
-# Busy-poll for this long (and at most this many tests) before the thread starts to sleep: small
-# collectives finish within it. Past it the thread sleeps between tests, from _FIRST_NAP seconds
-# doubling up to _LAST_NAP: a rank that waits for a peer gives its core back (on a host with more
-# ranks than cores, a rank that spun kept the one it waited for off the CPU: the hierarchical
-# plane's four ranks on two cores took 14-28 s for an all-reduce of milliseconds).
-_HOT_SECONDS = 0.002
-_HOT_POLLS = 4000
-_FIRST_NAP = 2e-5
-_LAST_NAP = 5e-4
-# A Pending with ``block(seconds)`` (a library that completes on its own threads, like gloo)
-# is slept on in slices of this many seconds instead of polled: polling takes the CPU from
-# the very threads doing the work.
-_BLOCK_SLICE = 0.5
-
-
-def poll(
-    test: Callable[[], bool],
-    deadline: float,
-    block: Optional[Callable[[float], object]] = None,
-    pause: Optional[Callable[[], object]] = None,
-) -> bool:
-    """Call ``test()`` until it returns True or ``deadline`` passes.
-
-    Between two calls the thread waits as suits the operation: ``block(seconds)`` for a
-    library that completes it on threads of its own; else ``pause()`` if given; else it
-    polls busily for up to 2 ms (small collectives finish within it), then sleeps between
-    tests, 20 us at first, doubling up to half a millisecond.
-
-    Args:
-        test: returns True once the operation has completed.
-        deadline: a ``time.monotonic()`` time; ``math.inf`` for none.
-        block: sleeps at most the given seconds or until the operation completes (a
-            Pending's ``block``).
-        pause: called between two tests instead of the default back-off.
-
-    Returns:
-        True once ``test()`` did; False when the deadline passed first.
-    """
-    hot = block is None and pause is None
-    polls, nap, hot_until = 0, _FIRST_NAP, 0.0
-    while not test():
-        polls += 1
-        now = time.monotonic()
-        if hot and polls <= _HOT_POLLS:
-            if polls == 1:
-                hot_until = now + _HOT_SECONDS
-            if now < hot_until:
-                continue
-        if now > deadline:
-            return False
-        if block is not None:
-            block(min(_BLOCK_SLICE, deadline - now))
-        elif pause is not None:
-            pause()
-        else:
-            time.sleep(nap)
-            nap = min(2 * nap, _LAST_NAP)
-    return True

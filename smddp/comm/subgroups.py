@@ -12,8 +12,9 @@ How each backend makes a subgroup:
 - ``nccl``: its ``subgroup`` makes a new NCCL communicator (at the group's first collective),
   whose unique id member rank 0 puts in the group's own store (torch gives every group a
   store prefix of its own, so the key cannot collide);
-- any other CPU communicator (``gloo``): torch's gloo over the group's store;
-- a group of one: the ``local`` communicator (nothing to exchange).
+- any other CPU communicator (``gloo``): torch's gloo over the group's store
+  (:data:`smddp.comm.backends.cpu.OVER_A_STORE`);
+- a group of one: the ``local`` communicator (nothing to exchange, :data:`~smddp.comm.backends.cpu.ALONE`).
 
 A delegating backend's device tensors (``torch-nccl``, ``xccl``) go to a torch backend object of the
 subgroup's own, made by :func:`smddp.comm.create_delegate`; only its CPU communicator is made here.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence
 
+from smddp.comm.backends import cpu
 from smddp.comm.base import Communicator, Context
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job.topology import Topology
@@ -90,9 +92,7 @@ def subgroup_communicators(parent: Dict[str, Communicator], ranks: Sequence[int]
 
 def _one(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicator:
     if len(ranks) == 1:
-        from smddp.comm.backends.local import LocalCommunicator
-
-        return LocalCommunicator(ctx)
+        return cpu.load(cpu.ALONE)(ctx)
     found = getattr(comm, "plane_settings", None)
     if found is not None:
         # A CPU communicator of the world's kind: the members' own flat one, then the best
@@ -121,9 +121,7 @@ def _flat(comm: Communicator, ranks: Sequence[int], ctx: Context) -> Communicato
                 f"a subgroup of the {comm.name!r} backend needs the group's store; create it with "
                 f"torch.distributed.new_group, which provides one"
             )
-        from smddp.comm.backends.gloo import GlooCommunicator
-
-        return GlooCommunicator(ctx)
+        return cpu.load(cpu.OVER_A_STORE)(ctx)
     raise BackendUnavailableError(
         f"the {comm.name!r} backend cannot make subgroups; use the default on GPUs (torch-nccl, xccl) or a "
         f"CPU backend (mpi, gloo) for torch.distributed.new_group and DeviceMesh"

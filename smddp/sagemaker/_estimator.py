@@ -221,9 +221,11 @@ class PyTorch:
             )
         from smddp.sagemaker._remote import RemoteJob
 
-        return RemoteJob(self, self._entry, self._dependencies, self._distribution).submit(
-            inputs, wait, show_logs, job_name
-        )
+        job = RemoteJob(self, self._entry, self._dependencies, self._distribution).start(inputs, job_name)
+        self._latest_training_job = job  # before the wait: a job that fails is still the latest
+        if wait:
+            job.wait(show_logs)
+        return job
 
     @property
     def latest_training_job(self) -> Optional[TrainingJob]:

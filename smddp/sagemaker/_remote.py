@@ -124,11 +124,12 @@ class RemoteJob:
     def session(self):
         return self.est.sagemaker_session or self.sdk["Session"]()
 
-    def submit(self, inputs: Any, wait: bool, logs: bool, job_name: Optional[str]) -> TrainingJob:
-        """Upload the code and start the job; with ``wait``, follow it to its end.
+    def start(self, inputs: Any, job_name: Optional[str]) -> TrainingJob:
+        """Upload the code and start the job (its ``wait()`` follows it to its end).
 
-        Raises:
-            JobFailedError: ``wait`` and the job failed; the message has its failure reason.
+        Returns:
+            The job, started: ``wait()`` raises :class:`~smddp.errors.JobFailedError` if it fails,
+            with its failure reason.
         """
         sdk, est = self.sdk, self.est
         session = self.session()
@@ -181,8 +182,4 @@ class RemoteJob:
                 resource.refresh()
                 raise JobFailedError(name, str(resource.training_job_status), str(resource.failure_reason)) from None
 
-        job = TrainingJob(name, model_data, describe, follow, resource)
-        est._latest_training_job = job
-        if wait:
-            job.wait(logs)
-        return job
+        return TrainingJob(name, model_data, describe, follow, resource)

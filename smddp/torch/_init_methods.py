@@ -61,13 +61,17 @@ def _ranks_from_launcher(original: Callable) -> Callable:
     return ranks_from_launcher
 
 
+#: The handlers :func:`install` put in torch's table (installing again leaves them as they are).
+_WRAPPED: set = set()
+
+
 def install() -> None:
     """Wrap torch's ``env``, ``tcp`` and ``file`` rendezvous handlers (idempotent)."""
     handlers = _compat.rendezvous_handlers()
     for scheme, wrap in (("env", _env_or_launcher), ("tcp", _ranks_from_launcher), ("file", _ranks_from_launcher)):
         original = handlers.get(scheme)
-        if original is None or getattr(original, "_smddp", False):
+        if original is None or original in _WRAPPED:
             continue
         wrapped = wrap(original)
-        wrapped._smddp = True
+        _WRAPPED.add(wrapped)
         handlers[scheme] = wrapped

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as tdist
 
 from smddp import _compat, comm
-from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
+from smddp.comm.reduction import Op
 from smddp.comm.store import make_store
 from smddp.errors import (
     InvalidArgumentError,

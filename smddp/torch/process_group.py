@@ -20,10 +20,10 @@ import torch.distributed as tdist
 
 from smddp import _compat
 from smddp.comm.algorithms import derived
-from smddp.comm.base import Op
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine import events as _events
 from smddp.comm.engine import handle as _handle
+from smddp.comm.reduction import Op
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.torch import _c10d_events, _labels
 

@@ -23,9 +23,10 @@ from smddp.comm import BACKENDS, Probe, choose_backend
 from smddp.comm.backends import torch_native
 from smddp.comm.backends.c10d_work import WorkPending
 from smddp.comm.backends.devices import check_device, pick_device, with_cpu_companion
-from smddp.comm.base import Communicator, Context, Done, Op, Pending
+from smddp.comm.base import Communicator, Context, Done, Pending
 from smddp.comm.engine import Engine
 from smddp.comm.planes.choose import PlaneSettings, build, companion
+from smddp.comm.reduction import Op
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job.topology import Topology
 

@@ -16,8 +16,9 @@ import torch.distributed as tdist
 from nccl_standin import HostStream
 
 from smddp.comm.backends.nccl.communicator import NCCLCommunicator
-from smddp.comm.base import Context, Op
+from smddp.comm.base import Context
 from smddp.comm.engine import Engine
+from smddp.comm.reduction import Op
 from smddp.job import excepthook
 from smddp.job.topology import Topology
 

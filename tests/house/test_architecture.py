@@ -22,6 +22,9 @@ pytestmark = pytest.mark.unit  # in-process, no job started: the fast tier
 ROOT = Path(__file__).resolve().parents[2]
 SMDDP = ROOT / "smddp"
 
+#: The communicator contract's floor: the interface, the reduction arithmetic, the wait loop.
+_CONTRACT = {"smddp.comm.base", "smddp.comm.reduction", "smddp.comm.waiting"}
+
 #: The floors, top to bottom: a part may import itself and the parts named with it (rules are
 #: prefixes of dotted module names; the longest prefix that matches a module is its part).
 RULES: Dict[str, Set[str]] = {
@@ -37,16 +40,18 @@ RULES: Dict[str, Set[str]] = {
     "smddp.alias": {"smddp.errors", "smddp.launch"},
     # communication, floor by floor
     "smddp.comm.needs": set(),
-    "smddp.comm.base": {"smddp.errors", "smddp.job"},
-    "smddp.comm.mismatch": {"smddp.errors", "smddp.comm.base", "smddp.comm.mismatch"},
+    "smddp.comm.waiting": set(),
+    "smddp.comm.reduction": {"smddp.errors"},
+    "smddp.comm.base": {"smddp.errors", "smddp.job", "smddp.comm.reduction", "smddp.comm.waiting"},
+    "smddp.comm.mismatch": {"smddp.errors", "smddp.comm.mismatch"} | _CONTRACT,
     "smddp.comm.store": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp.comm.needs"},
-    "smddp.comm.backends": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat", "smddp.comm.base",
-                            "smddp.comm.needs", "smddp.comm.mismatch", "smddp.comm.backends"},
-    "smddp.comm.engine": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat", "smddp.comm.base",
-                          "smddp.comm.mismatch", "smddp.comm.engine"},
-    "smddp.comm.algorithms": {"smddp.errors", "smddp.comm.base", "smddp.comm.engine", "smddp.comm.algorithms"},
-    "smddp.comm.planes": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp.comm.base", "smddp.comm.needs",
-                          "smddp.comm.mismatch", "smddp.comm.backends", "smddp.comm.planes"},
+    "smddp.comm.backends": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat",
+                            "smddp.comm.needs", "smddp.comm.mismatch", "smddp.comm.backends"} | _CONTRACT,
+    "smddp.comm.engine": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat",
+                          "smddp.comm.mismatch", "smddp.comm.engine"} | _CONTRACT,
+    "smddp.comm.algorithms": {"smddp.errors", "smddp.comm.engine", "smddp.comm.algorithms"} | _CONTRACT,
+    "smddp.comm.planes": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp.comm.needs",
+                          "smddp.comm.mismatch", "smddp.comm.backends", "smddp.comm.planes"} | _CONTRACT,
     "smddp.comm": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat", "smddp.comm"},  # the registry
     # what users import
     "smddp.torch": {"smddp.errors", "smddp.knobs", "smddp.job", "smddp._compat", "smddp.comm", "smddp.torch"},

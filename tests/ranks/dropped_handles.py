@@ -21,8 +21,8 @@ from checklist import Checklist
 
 import smddp
 import smddp.torch.distributed as dist
-from smddp.comm.base import Op
 from smddp.comm.engine.handle import DETACHABLE, Handle
+from smddp.comm.reduction import Op
 from smddp.torch import groups
 
 dist.init_process_group()

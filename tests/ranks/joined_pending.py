@@ -16,7 +16,7 @@ import torch
 
 import smddp.torch.distributed as dist
 from smddp.comm.algorithms import derived
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 from smddp.torch import groups
 
 DEADLINE = 60.0

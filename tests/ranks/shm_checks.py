@@ -42,8 +42,8 @@ import torch.distributed as tdist  # noqa: E402
 import smddp  # noqa: E402
 import smddp.torch.distributed as dist  # noqa: E402
 from smddp.comm.algorithms import derived  # noqa: E402
-from smddp.comm.base import Op  # noqa: E402
 from smddp.comm.planes.shm_torch import ONE_SHOT_MAX  # noqa: E402
+from smddp.comm.reduction import Op  # noqa: E402
 from smddp.torch import groups  # noqa: E402
 
 MODE, PLANE = sys.argv[1], sys.argv[2]

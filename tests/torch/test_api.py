@@ -196,7 +196,7 @@ def test_destroy_closes_the_engine_and_init_may_follow(torch_kind):
 def test_torch_reduce_ops_map_to_smddp_ops():
     """Every form torch hands a ProcessGroup a reduction in: constants, ReduceOp objects, the
     options' field (torch's ReduceOp hashes to its code: smddp reads it that way where it can)."""
-    from smddp.comm.base import Op
+    from smddp.comm.reduction import Op
     from smddp.torch.process_group import torch_op
 
     R = torch.distributed.ReduceOp

@@ -15,7 +15,7 @@ import torch.distributed as tdist
 import smddp
 import smddp.torch.distributed as dist
 from smddp.comm.algorithms import derived
-from smddp.comm.base import BITWISE, Op
+from smddp.comm.reduction import BITWISE, Op
 
 from launchers import assert_all_ranks_passed, mpirun, python, rank_lines
 

@@ -30,9 +30,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import DONE, Op, Pending, flat, reduce_rows, then
+from smddp.comm.base import DONE, Pending, flat, then
 from smddp.comm.engine import Engine, Handle
 from smddp.comm.engine.arguments import check_writable
+from smddp.comm.reduction import Op, reduce_rows
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 
 

@@ -30,20 +30,11 @@ import torch.distributed as tdist
 
 from smddp.comm.backends.c10d_work import GlooWork
 from smddp.comm.backends.gloo_group import gloo_group
-from smddp.comm.base import (
-    Communicator,
-    Context,
-    Op,
-    Pending,
-    average,
-    bool_as_bytes,
-    check_reduction,
-    reduce_rows,
-    widened,
-)
+from smddp.comm.base import Communicator, Context, Pending
 from smddp.comm.mismatch import checked
 from smddp.comm.mismatch.checked import as_bytes, rows_of
 from smddp.comm.mismatch.fingerprint import Print, signature
+from smddp.comm.reduction import Op, average, bool_as_bytes, check_reduction, reduce_rows, widened
 from smddp.errors import BackendUnavailableError
 from smddp.job import sockets
 

@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Op, Pending, check_reduction
+from smddp.comm.base import DONE, Communicator, Pending
+from smddp.comm.reduction import Op, check_reduction
 
 
 class LocalCommunicator(Communicator):

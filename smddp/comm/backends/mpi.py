@@ -30,22 +30,12 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from smddp import knobs
-from smddp.comm.base import (
-    Communicator,
-    Context,
-    Op,
-    Pending,
-    average,
-    bool_as_bytes,
-    check_reduction,
-    combine,
-    reduce_rows,
-    widened,
-)
+from smddp.comm.base import Communicator, Context, Pending
 from smddp.comm.mismatch import checked
 from smddp.comm.mismatch.checked import as_bytes, rows_of
 from smddp.comm.mismatch.fingerprint import Print, signature
 from smddp.comm.needs import MPI_INSTALL
+from smddp.comm.reduction import Op, average, bool_as_bytes, check_reduction, combine, reduce_rows, widened
 from smddp.errors import BackendUnavailableError, InvalidArgumentError
 from smddp.job import excepthook, mca
 
@@ -79,9 +69,9 @@ _MPI_TYPES = {
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
 }
-# float16 and bfloat16 are reduced in float32 (comm.base.HALF): no MPI half type is needed,
+# float16 and bfloat16 are reduced in float32 (comm.reduction.HALF): no MPI half type is needed,
 # so mpi4py 4.0 (which lacks MPI.FLOAT16_T) works too. bool is reduced as its bytes
-# (comm.base.bool_as_bytes): MPI's C_BOOL has no MIN, MAX or bitwise ops.
+# (comm.reduction.bool_as_bytes): MPI's C_BOOL has no MIN, MAX or bitwise ops.
 
 _TAG_SPACE = 32767  # the smallest MPI_TAG_UB the standard allows
 #: Bytes of data that ride in a checked collective's row (an all-reduce this small takes no
@@ -162,6 +152,11 @@ class _Offloaded(Pending):
         self._error: Optional[BaseException] = None
         self._after = after
         self._keep = keep  # MPI holds raw addresses: keep the tensors alive
+
+    def ran(self, error: Optional[BaseException]) -> None:
+        """The worker thread has run the call (``error``: what it raised, else None)."""
+        self._error = error
+        self._finished.set()
 
     def test(self) -> bool:
         if not self._finished.is_set():
@@ -290,11 +285,12 @@ class MPICommunicator(Communicator):
             if item is None:
                 return
             call, args, kwargs, pending = item
+            error = None
             try:
                 call(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
-                pending._error = exc
-            pending._finished.set()
+                error = exc
+            pending.ran(error)
 
     def _checked_all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         fp = (tensor.numel(), signature(tag, "all_reduce", tensor.dtype, op))

@@ -43,7 +43,7 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from smddp.comm.base import DONE, Communicator, Failed, Op, Pending, flat, poll, then
+from smddp.comm.base import DONE, Communicator, Failed, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.arguments import Checks, check_writable
@@ -52,6 +52,8 @@ from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
 from smddp.comm.engine.progress import SERVICE, Progress
 from smddp.comm.engine.stall import labelled
+from smddp.comm.reduction import Op
+from smddp.comm.waiting import poll
 from smddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -110,7 +112,7 @@ class Engine(Health, Progress):
         # handles' state, and lets one thread at a time test Pendings.
         self._inflight: List[Handle] = []
         self._cv = threading.Condition()
-        # Done stream-ordered operations whose C++ half waits for their device (handle.settle).
+        # Done stream-ordered operations whose C++ half waits for their device (Progress._settle).
         self._on_device: List[Handle] = []
         # Pendings that failed, timed out or were interrupted while the library may still hold
         # their buffers (and errors of starts that failed part-way, whose frames hold them).
@@ -263,7 +265,7 @@ class Engine(Health, Progress):
     def settled(self, handle: Handle) -> None:
         """``handle`` has settled (what C++ sees of it, its future's callbacks): release what waits on it."""
         with self._start_lock:
-            handle._settled = True
+            handle.mark_settled()
             if handle.chained:
                 self._chained -= 1
                 if not self._chained and self._deferred:
@@ -277,11 +279,12 @@ class Engine(Health, Progress):
             start, args, check = handle.start
             handle.start = None
             if self._closed or self._broken is not None:
+                error = None
                 try:
                     self._check_usable()
                 except CollectiveError as exc:
-                    handle._error = exc
-                handle._finished = True
+                    error = exc
+                handle.never_started(error)
                 self._track(handle)
                 continue
             self.seq = seq = handle.seq = self.seq + 1
@@ -289,14 +292,12 @@ class Engine(Health, Progress):
             try:
                 if check is not None:
                     self._debug.check(seq, handle.op_name, *check)
-                handle._pending = start(*args, seq)
+                handle.began(start(*args, seq))
             except CollectiveMismatchError as exc:
-                handle._pending = Failed(exc)
+                handle.began(Failed(exc))
             except Exception as exc:  # noqa: BLE001 - fails this collective, as a start that failed part-way
                 self._abandoned.append(exc)
-                handle._pending = DONE
-                handle._error = self._fail(exc, handle)
-                handle._finished = True
+                handle.failed_to_start(self._fail(exc, handle))
             self._track(handle)
             if handle.chained and not handle._settled:
                 self._chained += 1
@@ -309,13 +310,13 @@ class Engine(Health, Progress):
             while self._deferred and now > self._deferred[0].deadline:
                 handle = self._deferred.popleft()
                 handle.start = None
-                handle._error = CollectiveTimeout(
+                error = CollectiveTimeout(
                     f"{handle.op_name} could not start within {self.timeout:g} s on {self._who()}: it waits for "
                     f"the callbacks of an earlier collective's future (a then() callback), which have not "
                     f"returned. The job is now broken: further collectives fail at once.")
                 if self._broken is None:
-                    self._broken = handle._error
-                handle._finished = True
+                    self._broken = error
+                handle.never_started(error)
                 self._track(handle)
 
     def direct_path(self, comm: Communicator):
@@ -601,11 +602,9 @@ class Engine(Health, Progress):
             self._cv.notify_all()
         abandoned += never_started
         for handle in abandoned:  # a wait on one (from C++ too) raises instead of waiting for ever
-            handle._error = handle._error or CollectiveError(
+            handle.abandon(CollectiveError(
                 f"{handle.op_name} (sequence number {handle.seq}) was still in flight on rank {self.rank} "
-                f"when its process group was destroyed")
-            handle._finished = handle._done = True
-            handle._settle()
+                f"when its process group was destroyed"))
         SERVICE.forget(self)  # the process's progress thread is not inside this engine from now on
         for handle in self._on_device:  # the communicators are drained or failed: nothing to wait for
             handle._settle()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from smddp import knobs
-from smddp.comm.base import Communicator, Op, poll
+from smddp.comm.base import Communicator
 from smddp.comm.mismatch.fingerprint import (
     COMPARED,
     LABEL,
@@ -35,6 +35,8 @@ from smddp.comm.mismatch.fingerprint import (
     fingerprint,
     ranks_text,
 )
+from smddp.comm.reduction import Op
+from smddp.comm.waiting import poll
 from smddp.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:

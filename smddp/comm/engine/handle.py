@@ -14,7 +14,7 @@ whether or not Python still holds the handle. C++ that waits on it (``wait()``) 
 this module's wait loop, which needs nothing but the engine. Torch's ``PythonCallbackWork``
 has no C++ ``result()``: C++ reads the result through the future, as DDP's reducer does.
 
-A handle waits through :func:`smddp.comm.base.poll`, smddp's one wait loop.
+A handle waits through :func:`smddp.comm.waiting.poll`, smddp's one wait loop.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 import torch
 
 from smddp import _compat
-from smddp.comm.base import DONE, Pending, poll
+from smddp.comm.base import DONE, Pending
+from smddp.comm.waiting import poll
 from smddp.errors import WaitTimeout
 
 if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
-__all__ = ["DETACHABLE", "Handle", "settle", "settle_on_device"]
+__all__ = ["DETACHABLE", "Handle"]
 
 #: torch's C++ Work whose ``wait()`` calls a Python function (torch >= 2.10), or None.
 _CallbackWork = _compat.PythonCallbackWork
@@ -132,7 +133,7 @@ class Handle(_WorkBase):
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
         self.covers: Sequence[Handle] = ()
         self._result = result if result.__class__ is list else list(result)
-        #: What C++ sees of it is complete, its future's callbacks have returned (see settle()).
+        #: What C++ sees of it is complete, its future's callbacks have returned (see Progress._settle).
         self._settled = done
         if done:
             if _CallbackWork is not None:
@@ -341,6 +342,58 @@ class Handle(_WorkBase):
         self.add_done_callback(complete)
         return future.then(_value_or_raise)
 
+    # ------------------------------------------------------------------ transitions the engine makes
+    def began(self, pending: Pending) -> None:
+        """A collective that waited to start has started: ``pending`` is its operation."""
+        self._pending = pending
+
+    def failed_to_start(self, error: BaseException) -> None:
+        """Its start failed part-way: done with ``error``; nothing of the library's is left to test."""
+        self._pending = DONE
+        self._error = error
+        self._finished = True
+
+    def never_started(self, error: Optional[BaseException]) -> None:
+        """It waited to start and never will (the group was closed or broken, or its deadline passed):
+        finished, with ``error``."""
+        self._error = error
+        self._finished = True
+
+    def mark_settled(self) -> None:
+        """What C++ sees of it is complete and its future's callbacks have returned (under the
+        engine's start lock)."""
+        self._settled = True
+
+    def cancel(self, error: BaseException) -> None:
+        """A collective issued before it failed and left the ranks out of step: it fails with ``error``
+        (a finished one too: its success no longer counts). Under the engine's lock."""
+        if self._finished:
+            self._error = error
+        else:
+            self._finish_failed(error)
+
+    def take_callbacks(self) -> List[Callable[[Handle], None]]:
+        """Its done-callbacks, to run now it has finished; a callback added from now on runs at once.
+        Under the engine's lock."""
+        callbacks, self._callbacks = self._callbacks, None
+        return callbacks
+
+    def callback_failed(self, error: BaseException) -> None:
+        """A done-callback raised: the operation fails with ``error`` unless it had failed already."""
+        if self._error is None:
+            self._error = error
+
+    def mark_done(self) -> None:
+        """It and every collective issued before it are done, and its done-callbacks have run."""
+        self._done = True
+
+    def abandon(self, error: BaseException) -> None:
+        """Its group is destroyed with it in flight: done, with its own error or else ``error``, and
+        settled, so that a wait on it (from C++ too) raises instead of waiting for ever."""
+        self._error = self._error or error
+        self._finished = self._done = True
+        self._settle()
+
     def _block(self, seconds: float) -> None:
         if self._finished:
             # Only the collectives issued before this one are left: is_completed advances them.
@@ -365,42 +418,6 @@ class Handle(_WorkBase):
         self._finished = True
         # The library may still hold the buffers' addresses: they live as long as the engine.
         self._engine._abandoned.append(self._pending)
-
-
-def settle(engine: Engine, handle: Handle) -> None:
-    """Complete what C++ sees of ``handle``, done: its future and its completion.
-
-    A stream-ordered operation (NCCL) is done as it is enqueued, and its C++ future carries no
-    CUDA events for a reader's stream to wait on: that half is settled once the device has
-    finished the operation, which the engine's progress thread polls (:func:`settle_on_device`).
-    """
-    if handle._pending.query is None:
-        handle._settle()
-        engine.settled(handle)
-        return
-    with engine._cv:
-        engine._on_device.append(handle)
-        engine._cv.notify()
-
-
-def settle_on_device(engine: Engine) -> List[Handle]:
-    """The stream-ordered handles whose device has finished them, taken off the engine's list.
-
-    The caller (the progress thread) has them settled (:meth:`Handle._settle`) off its own thread.
-    """
-    with engine._cv:
-        waiting, engine._on_device = engine._on_device, []
-    later, finished = [], []
-    for handle in waiting:
-        try:
-            done = handle._pending.query()
-        except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
-            done = True
-        (finished if done else later).append(handle)
-    if later:
-        with engine._cv:
-            engine._on_device[:0] = later
-    return finished
 
 
 class _Failed:

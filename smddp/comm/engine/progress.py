@@ -18,9 +18,9 @@ import time
 import traceback
 from typing import Callable, Deque, List, Optional, Sequence
 
-from smddp.comm.base import poll
 from smddp.comm.engine.completer import COMPLETER, Completer, completion
-from smddp.comm.engine.handle import Handle, settle, settle_on_device
+from smddp.comm.engine.handle import Handle
+from smddp.comm.waiting import poll
 from smddp.errors import CollectiveError, CollectiveMismatchError
 
 #: Seconds between the progress thread's polls of operations the host moves.
@@ -169,7 +169,7 @@ class Progress:
         issued before it is done; once one fails, the collectives after it fail too (the ranks
         are no longer in step), unless it failed by a mismatch, which every rank saw. Callbacks
         run after the lock is released, in issue order; then each handle is settled (what C++
-        sees of it completes: :func:`~smddp.comm.engine.handle.settle`).
+        sees of it completes: :meth:`_settle`).
 
         ``inline``: the calling thread runs the callbacks and settles (a thread about to wait);
         the progress thread passes False and hands them to the engine's completion threads
@@ -195,10 +195,7 @@ class Progress:
                         f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
                         f"before it, failed: {failed._error}")
                     cancelled.__cause__ = failed._error
-                    if handle._finished:
-                        handle._error = cancelled
-                    else:
-                        handle._finish_failed(cancelled)
+                    handle.cancel(cancelled)
                 elif not handle._finished:
                     handle._advance(now)
                 if not handle.ordered or blocked is None:
@@ -211,17 +208,14 @@ class Progress:
                         if handle._callbacks:
                             finished.append(handle)  # done once its callbacks have run
                         else:
-                            handle._done = True
+                            handle.mark_done()
                             settled.append(handle)
                         continue
                     if handle.ordered:
                         blocked = handle
                 keep.append(handle)
             self._inflight = keep
-            callbacks = []
-            for handle in finished:
-                callbacks.append(handle._callbacks)
-                handle._callbacks = None  # completing: a callback added now runs at once
+            callbacks = [handle.take_callbacks() for handle in finished]
         if not finished and not settled:
             return
         if inline:
@@ -235,13 +229,47 @@ class Progress:
         for handle, calls in zip(finished, callbacks):
             self._call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
-            handle._done = True
-            settle(self, handle)
+            handle.mark_done()
+            self._settle(handle)
         for handle in settled:
-            settle(self, handle)
+            self._settle(handle)
         latest = self._last_handle
         if latest is not None and latest._done and self._last_handle is latest:
             self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
+
+    def _settle(self, handle: Handle) -> None:
+        """Complete what C++ sees of ``handle``, done: its future and its completion.
+
+        A stream-ordered operation (NCCL) is done as it is enqueued, and its C++ future carries no
+        CUDA events for a reader's stream to wait on: that half is settled once the device has
+        finished the operation, which the progress thread polls (:meth:`_settle_on_device`).
+        """
+        if handle._pending.query is None:
+            handle._settle()
+            self.settled(handle)
+            return
+        with self._cv:
+            self._on_device.append(handle)
+            self._cv.notify()
+
+    def _settle_on_device(self) -> List[Handle]:
+        """The stream-ordered handles whose device has finished them, taken off the list on the device.
+
+        The caller (the progress thread) has them settled (:meth:`Handle._settle`) off its own thread.
+        """
+        with self._cv:
+            waiting, self._on_device = self._on_device, []
+        later, finished = [], []
+        for handle in waiting:
+            try:
+                done = handle._pending.query()
+            except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
+                done = True
+            (finished if done else later).append(handle)
+        if later:
+            with self._cv:
+                self._on_device[:0] = later
+        return finished
 
     def _settle_all(self, handles: List[Handle]) -> None:
         """Settle stream-ordered ``handles`` that their device has finished (a completion job)."""
@@ -276,14 +304,13 @@ class Progress:
                 )
                 error.__cause__ = exc
                 print(f"smddp: {error}", file=sys.stderr)
-                if handle._error is None:
-                    handle._error = error
+                handle.callback_failed(error)
 
     def _progress_once(self) -> bool:
         """One pass of the progress thread over this engine; True if only stream-ordered operations,
         waiting for their device, are left (the thread may back off)."""
         self._poll(inline=False)
-        settled = settle_on_device(self) if self._on_device else ()
+        settled = self._settle_on_device() if self._on_device else ()
         if settled:
             self._completer.submit(lambda settled=settled: self._settle_all(settled))
         return bool(self._on_device) and not self._inflight and not settled

@@ -31,8 +31,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from smddp.comm.base import poll
 from smddp.comm.mismatch.fingerprint import ranks_text
+from smddp.comm.waiting import poll
 from smddp.job.host import host_identity  # the one definition of "this host" (pid namespace included)
 
 #: Seconds a timed-out rank waits for the other ranks' answers.

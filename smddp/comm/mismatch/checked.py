@@ -101,7 +101,7 @@ class Checker:
                 if not op._exchanged():
                     return
             except Exception as exc:  # noqa: BLE001 - a mismatch, or the library's error: that collective's
-                op._error = exc
+                op.failed(exc)
             issuing.popleft()
             if issuing:
                 issuing[0]._exchange()
@@ -169,6 +169,10 @@ class Checked(Pending):
         if self._second is not None and not self._done:
             self._done = self._second.test()
         return self._done
+
+    def failed(self, error: BaseException) -> None:
+        """Its exchange failed (the ranks' calls differ, or the library's error): testing it raises ``error``."""
+        self._error = error
 
     def current(self) -> Optional[Pending]:
         """The library operation this collective waits on now (its exchange's, then its own), if any."""

@@ -19,11 +19,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 from smddp.errors import CollectiveMismatchError
 
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "barrier", "reduce_scatter")
-#: Codes of reductions: :class:`~smddp.comm.base.Op`'s order (the bitwise ones after the five of
+#: Codes of reductions: :class:`~smddp.comm.reduction.Op`'s order (the bitwise ones after the five of
 #: numbers), also the shared-memory core's op codes (``R_*`` in ``_shm_fold.h``).
 OPS = tuple(Op)
 #: Codes of dtypes; the first ten (bool the last) are also the shared-memory core's dtype codes.

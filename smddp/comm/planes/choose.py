@@ -35,6 +35,7 @@ from typing import List, Mapping, Optional, Tuple
 import torch.distributed as tdist
 
 from smddp import knobs
+from smddp.comm.backends import cpu
 from smddp.comm.base import Communicator, Context
 from smddp.comm.planes import hostmates, layout
 from smddp.errors import BackendUnavailableError
@@ -102,20 +103,12 @@ def flat_backend(name: str, plane: str) -> str:
 
 
 def flat_class(name: str):
-    """The communicator class of flat backend ``name`` (imported on demand: mpi4py starts MPI)."""
-    if name == "mpi":
-        from smddp.comm.backends.mpi import MPICommunicator
+    """The communicator class of flat backend ``name`` (imported on demand: mpi4py starts MPI).
 
-        return MPICommunicator
-    if name == "gloo":
-        from smddp.comm.backends.gloo import GlooCommunicator
-
-        return GlooCommunicator
-    if name == "local":
-        from smddp.comm.backends.local import LocalCommunicator
-
-        return LocalCommunicator
-    raise BackendUnavailableError(f"{name!r} is not a CPU backend; use mpi, gloo or local")
+    Raises:
+        BackendUnavailableError: ``name`` is not a CPU backend (:mod:`smddp.comm.backends.cpu`).
+    """
+    return cpu.load(name)
 
 
 def meet(ctx: Context, found: PlaneSettings) -> Context:

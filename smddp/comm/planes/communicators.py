@@ -29,9 +29,10 @@ from typing import Callable, Optional, Sequence, Set, Tuple
 
 import torch
 
-from smddp.comm.base import Communicator, Context, Op, Pending, check_reduction, then
+from smddp.comm.base import Communicator, Context, Pending, then
 from smddp.comm.mismatch.fingerprint import signature
 from smddp.comm.planes.shm import Plane
+from smddp.comm.reduction import Op, check_reduction
 
 
 class _Composed(Communicator):

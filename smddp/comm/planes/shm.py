@@ -23,7 +23,7 @@ buffers. No trailing barrier: the epoch words order everything.
 - float16 and bfloat16 are accumulated in float32 and rounded once, as the MPI path does; bool
   is reduced as its bytes (SUM an or, PRODUCT an and, as torch's and gloo's bool arithmetic);
   the bitwise ops reduce integers and bool, and a reduction a dtype has not is refused before
-  any step (:func:`~smddp.comm.base.check_reduction`).
+  any step (:func:`~smddp.comm.reduction.check_reduction`).
 - Operations run one at a time in issue order (a later operation waits for the earlier
   ones to leave the buffers), advanced by ``Pending.test()``, which never waits long: the
   engine's deadline, its progress thread and its timeouts apply as they do to MPI.
@@ -67,7 +67,7 @@ from typing import Iterator, Optional
 import torch
 
 from smddp import knobs
-from smddp.comm.base import DONE, HALF, Op, Pending, check_reduction
+from smddp.comm.base import DONE, Pending
 from smddp.comm.mismatch import fingerprint
 from smddp.comm.mismatch.fingerprint import mismatch_error, unpaired_error
 from smddp.comm.planes.shm_segment import (
@@ -79,7 +79,8 @@ from smddp.comm.planes.shm_segment import (
     release,
     segment_bytes,
 )
-from smddp.comm.planes.shm_torch import Counters, TorchOps, _Wait
+from smddp.comm.planes.shm_torch import SegmentView, TorchPath, _Wait
+from smddp.comm.reduction import HALF, Op, check_reduction
 from smddp.errors import CollectiveMismatchError, CollectiveTimeout
 
 try:
@@ -114,11 +115,13 @@ _LIVENESS_EVERY = 1.0  # seconds between checks that the awaited ranks still exi
 _PLANE = "the shared-memory plane"
 
 
-class Plane(TorchOps):
+class Plane:
     """The shared segment of one host's ranks and the operations over it.
 
     Every operation returns a :class:`~smddp.comm.base.Pending`; they run one at a time, in
-    issue order.
+    issue order. Each runs in the compiled core where it serves the call, else on the plane's
+    Python path (:attr:`python`, a :class:`~smddp.comm.planes.shm_torch.TorchPath` given a view of
+    the segment).
 
     Args:
         host: the set-up channel of exactly the ranks that share the segment
@@ -138,6 +141,7 @@ class Plane(TorchOps):
         native: True when the compiled core runs this plane's operations.
         single_copy_min: the threshold of the single-copy all-reduce (0: this plane has none).
         part_bytes: bytes of each slice of a hierarchical all-reduce, in both implementations.
+        python: the plane's Python path over this rank's view of the segment.
 
     Raises:
         OSError: /dev/shm cannot hold the segment (:func:`open_plane` turns that into a
@@ -159,13 +163,14 @@ class Plane(TorchOps):
         self.name, self._mm = map_segment(host, group, self._nbytes)
         self._words = memoryview(self._mm).cast("q")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._stride = _WORD // 8
-        self._words[self.rank * self._stride + 1] = os.getpid()
+        stride = _WORD // 8
+        self._words[self.rank * stride + 1] = os.getpid()
         host.barrier()
-        self._pids = [self._words[r * self._stride + 1] for r in range(self.size)]
+        self._pids = [self._words[r * stride + 1] for r in range(self.size)]
         # The compiled core keeps the protocol's counters; the Python path shares them.
         self._seg = native.Segment(self._mm, self.rank, self.size, slot, HEADER, SPIN_NS) if use_native else None
-        self._state = self._seg if self._seg is not None else Counters()
+        self.python = TorchPath(SegmentView(self.rank, self.size, slot, self.part_bytes, self._bytes, self._words,
+                                            stride, self.names, group), self._seg)
         self.native = self._seg is not None
         self.single_copy_min = single_copy_min if self.native else 0
         if self.single_copy_min:
@@ -173,7 +178,6 @@ class Plane(TorchOps):
         self._codes = dict(_DTYPE_CODES) if self.native else {}
         if self.native and not (f16 and native.HAVE_FLOAT16):
             del self._codes[torch.float16]
-        self._cache: dict = {}
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._waiting_since = 0.0
@@ -189,7 +193,7 @@ class Plane(TorchOps):
         code = self._codes.get(tensor.dtype)
         if code is None:
             check_reduction(tensor.dtype, op)
-            return self.start(self._all_reduce_gen(tensor, op, tag))
+            return self.start(self.python.all_reduce(tensor, op, tag))
         try:
             native_op = self._seg.all_reduce(
                 tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op], self.chunk_bytes, self.one_shot_max, tag)
@@ -215,7 +219,7 @@ class Plane(TorchOps):
         """
         code = self._codes.get(tensor.dtype)
         if code is None or tensor.dtype in HALF:
-            return self.start(self._all_reduce_across_gen(tensor, op, across, world, tag, agreed))
+            return self.start(self.python.all_reduce_across(tensor, op, across, world, tag, agreed))
         native_op = self._seg.all_reduce_across(tensor.data_ptr(), tensor.numel(), code, _OP_CODES[op],
                                                 self.chunk_bytes, world, tag)
         return self.start(self._across_native_gen(native_op, tensor.view(-1), across, op, tag, agreed))
@@ -245,7 +249,7 @@ class Plane(TorchOps):
         check_reduction(input.dtype, op, "reduce_scatter")
         code = self._codes.get(input.dtype)
         if code is None:
-            return self.start(self._reduce_scatter_gen(output, input, op, tag))
+            return self.start(self.python.reduce_scatter(output, input, op, tag))
         return self._run(self._seg.reduce_scatter(
             output.data_ptr(), input.data_ptr(), output.numel(), code, _OP_CODES[op], self.chunk_bytes, tag),
             (output, input))
@@ -253,7 +257,7 @@ class Plane(TorchOps):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int = 0) -> Pending:
         """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
         if not self.native:
-            return self.start(self._all_gather_gen(output, input, tag))
+            return self.start(self.python.all_gather(output, input, tag))
         return self._run(self._seg.all_gather(
             output.data_ptr(), input.data_ptr(), input.numel() * input.element_size(), self.chunk_bytes,
             fingerprint.dtype_code(input.dtype), input.numel(), tag), (output, input))
@@ -261,7 +265,7 @@ class Plane(TorchOps):
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
         """Copy rank ``src``'s flat ``tensor`` into every rank's."""
         if not self.native:
-            return self.start(self._broadcast_gen(tensor, src, tag))
+            return self.start(self.python.broadcast(tensor, src, tag))
         return self._run(self._seg.broadcast(
             tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, self.chunk_bytes,
             fingerprint.dtype_code(tensor.dtype), tensor.numel(), tag), tensor)
@@ -283,13 +287,8 @@ class Plane(TorchOps):
     def barrier(self, tag: int = 0) -> Pending:
         """Complete once every rank of the plane has entered it."""
         if not self.native:
-            return self.start(self._barrier_gen(tag))
+            return self.start(self.python.barrier(tag))
         return self._run(self._seg.barrier(tag), None)
-
-    def _publish(self) -> int:
-        if self._seg is not None:
-            return self._seg.publish()  # wakes the peers asleep on this rank's epoch word
-        return super()._publish()
 
     # ------------------------------------------------------------------ driving
     def start(self, gen: Iterator[_Wait]) -> Pending:
@@ -354,7 +353,7 @@ class Plane(TorchOps):
                     queue.popleft()
                     self._waiting_since = 0.0
                     continue
-                if op.wait is not None and not self._reached(op.wait):
+                if op.wait is not None and not self.python.reached(op.wait):
                     self._check_peers(op.wait)
                     return
                 self._waiting_since = 0.0
@@ -385,7 +384,7 @@ class Plane(TorchOps):
             self._waiting_since, self._next_liveness = now, now + _LIVENESS_EVERY
         elif now >= self._next_liveness:
             self._next_liveness = now + _LIVENESS_EVERY
-            dead = [r for r in self._behind(wait) if not alive(self._pids[r])]
+            dead = [r for r in self.python.behind(wait) if not alive(self._pids[r])]
             if dead:
                 raise PeerExited(
                     f"local rank(s) {dead} of this host's shared-memory group (pids "
@@ -399,6 +398,7 @@ class Plane(TorchOps):
             self._queue.clear()
             if self._seg is not None:
                 self._seg.close()  # under the lock: no thread is inside the core meanwhile
+            self.python = None  # its views of the segment go with it
         self._words.release()
         del self._bytes
         try:

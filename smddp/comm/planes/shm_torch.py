@@ -1,15 +1,16 @@
 """The shared-memory plane's operations in torch: its Python path.
 
-:class:`TorchOps` holds the plane's protocol (see :mod:`smddp.comm.planes.shm`) written
-with torch tensor views of the segment. Each operation is a generator of waits: ``(rank or
-None, epoch)`` on the epoch words, or a Pending (the hierarchical plane's step between
-hosts). :class:`~smddp.comm.planes.shm.Plane` drives them; it runs the same protocol in its
-compiled core where that is built, and these wherever it is not, for the hierarchical plane's
-half-precision all-reduces, and with ``SMDDP_SHM_NATIVE=0``.
+:class:`TorchPath` holds the plane's protocol (see :mod:`smddp.comm.planes.shm`) written
+with torch tensor views of the segment, given to it as a :class:`SegmentView`. Each operation
+is a generator of waits: ``(rank or None, epoch)`` on the epoch words, or a Pending (the
+hierarchical plane's step between hosts). :class:`~smddp.comm.planes.shm.Plane` holds one and
+drives them; it runs the same protocol in its compiled core where that is built, and these
+wherever it is not, for the hierarchical plane's half-precision all-reduces, and with
+``SMDDP_SHM_NATIVE=0``.
 
 Every operation's first step also writes its fingerprint next to the rank's epoch word and,
 once every rank has published that step, compares every rank's with its own before it uses
-their data (:meth:`TorchOps._check`); the compiled core does the same.
+their data (:meth:`TorchPath._check`); the compiled core does the same.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from smddp.comm.base import HALF as _HALF
-from smddp.comm.base import Op, average, combine
 from smddp.comm.mismatch.fingerprint import Print, mismatch_error, signature
 from smddp.comm.planes.shm_segment import HEADER
+from smddp.comm.reduction import HALF as _HALF
+from smddp.comm.reduction import Op, average, combine
 
 #: All-reduces up to this many bytes run in one step (every rank reduces everything). Fixed:
 #: ``SMDDP_SHM_ONE_SHOT_MAX`` tunes the compiled core, whose copies cost less per step.
@@ -29,7 +30,7 @@ ONE_SHOT_MAX = 1 << 20
 
 _Wait = Tuple[Optional[int], int]  # (rank or None for all, epoch)
 
-#: The first fold of two parts, into the output (:func:`~smddp.comm.base.combine` folds the rest).
+#: The first fold of two parts, into the output (:func:`~smddp.comm.reduction.combine` folds the rest).
 #: bool folds as torch's bool arithmetic does: SUM an or, PRODUCT an and (the compiled core's bits).
 _PAIRWISE = {Op.SUM: torch.add, Op.AVERAGE: torch.add, Op.MIN: torch.minimum, Op.MAX: torch.maximum,
              Op.PRODUCT: torch.mul, Op.BAND: torch.bitwise_and, Op.BOR: torch.bitwise_or,
@@ -38,6 +39,8 @@ _PAIRWISE = {Op.SUM: torch.add, Op.AVERAGE: torch.add, Op.MIN: torch.minimum, Op
 #: int64 index, in a rank's header line, of its fingerprint of even steps (odd: the next two).
 #: The line holds, before it, the epoch word, the pid and the compiled core's sleeper count.
 FP_WORD = 4
+
+
 class Counters:
     """Where this rank is in the protocol (the compiled core's ``Segment`` has the same fields)."""
 
@@ -49,14 +52,52 @@ class Counters:
         self.steps = 0  # steps started (a step's parity picks its buffer)
 
 
-class TorchOps:
+class SegmentView:
+    """One rank's view of the plane's segment: what the Python path reads and writes.
+
+    Attributes:
+        rank: this rank's index among the plane's ranks.
+        size: the plane's ranks.
+        slot: bytes of each buffer.
+        part_bytes: bytes of each slice of a hierarchical all-reduce (the compiled core's too).
+        data: the segment as a uint8 tensor.
+        words: the segment as int64 words (the header's epoch words and fingerprints).
+        stride: words between two ranks' header lines.
+        names: each plane rank's group rank (errors name them).
+        group: the group's name (errors name it).
+    """
+
+    __slots__ = ("rank", "size", "slot", "part_bytes", "data", "words", "stride", "names", "group")
+
+    def __init__(self, rank: int, size: int, slot: int, part_bytes: int, data: torch.Tensor, words: memoryview,
+                 stride: int, names: List[int], group: str):
+        self.rank, self.size, self.slot, self.part_bytes = rank, size, slot, part_bytes
+        self.data, self.words, self.stride = data, words, stride
+        self.names, self.group = names, group
+
+
+class TorchPath:
     """The plane's operations as generators over torch views of the segment.
 
-    Needs, from the class that mixes it in: ``rank``, ``size``, ``slot``, ``part_bytes``, ``_bytes`` (the
-    segment as uint8), ``_words`` (its int64 words), ``_stride`` (words between two ranks'
-    epoch words), ``_state`` (:class:`Counters`), ``_cache`` (a dict), ``names`` (each plane
-    rank's group rank) and ``group`` (the group's name).
+    Each operation (:meth:`all_reduce`, :meth:`all_reduce_across`, :meth:`reduce_scatter`,
+    :meth:`all_gather`, :meth:`broadcast`, :meth:`barrier`) returns a generator of waits that
+    :class:`~smddp.comm.planes.shm.Plane` drives; :meth:`reached` says whether a wait is over and
+    :meth:`behind` which ranks it still waits for.
+
+    Args:
+        view: this rank's view of the segment.
+        core: the compiled core's ``Segment`` where the plane has one: it keeps the protocol's
+            counters (this path shares them) and publishes the epoch (waking peers asleep on it).
+            None: this path keeps its own :class:`Counters`.
     """
+
+    def __init__(self, view: SegmentView, core=None):
+        self.rank, self.size, self.slot, self.part_bytes = view.rank, view.size, view.slot, view.part_bytes
+        self.names, self.group = view.names, view.group
+        self._bytes, self._words, self._stride = view.data, view.words, view.stride
+        self._core = core
+        self._state = core if core is not None else Counters()
+        self._cache: dict = {}
 
     # ------------------------------------------------------------------ primitives
     def _buffer(self, rank: int, step: int) -> torch.Tensor:
@@ -77,12 +118,15 @@ class TorchOps:
         return views
 
     def _publish(self) -> int:
+        if self._core is not None:
+            return self._core.publish()  # wakes the peers asleep on this rank's epoch word
         state = self._state
         state.epoch += 1
         self._words[self.rank * self._stride] = state.epoch
         return state.epoch
 
-    def _reached(self, wait) -> bool:
+    def reached(self, wait) -> bool:
+        """True once ``wait`` is over: the epoch words show it, or its Pending completed."""
         if not isinstance(wait, tuple):
             return wait.test()  # a Pending (the hierarchical plane's step between hosts)
         rank, epoch = wait
@@ -94,7 +138,8 @@ class TorchOps:
                 return False
         return True
 
-    def _behind(self, wait: _Wait) -> List[int]:
+    def behind(self, wait: _Wait) -> List[int]:
+        """The ranks that ``wait`` still waits for."""
         rank, epoch = wait
         ranks = range(self.size) if rank is None else (rank,)
         return [r for r in ranks if self._words[r * self._stride] < epoch]
@@ -103,7 +148,7 @@ class TorchOps:
         """Start a step: wait until this step's buffer is free. Yields waits; leaves the step in ``_state.steps``."""
         state = self._state
         state.steps += 1
-        if not self._reached((None, state.last_written)):
+        if not self.reached((None, state.last_written)):
             yield (None, state.last_written)
 
     def _written(self, fp: Optional[Print] = None) -> int:
@@ -129,7 +174,7 @@ class TorchOps:
             raise mismatch_error(prints, self.names, "the shared-memory plane", self.group)
 
     # ------------------------------------------------------------------ operations
-    def _all_reduce_gen(self, tensor: torch.Tensor, op: Op, seq: int) -> Iterator[_Wait]:
+    def all_reduce(self, tensor: torch.Tensor, op: Op, seq: int) -> Iterator[_Wait]:
         """Reduce flat contiguous ``tensor`` in place over the plane's ranks; ``seq``: its number."""
         flat = tensor.view(-1)
         fp = (flat.numel(), signature(seq, "all_reduce", flat.dtype, op))
@@ -191,8 +236,8 @@ class TorchOps:
             if r != self.rank:
                 flat[bounds[r]:bounds[r + 1]].copy_(views[r][bounds[r]:bounds[r + 1]])
 
-    def _all_reduce_across_gen(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int,
-                               agreed=None) -> Iterator[_Wait]:
+    def all_reduce_across(self, tensor: torch.Tensor, op: Op, across, world: int, tag: int,
+                          agreed=None) -> Iterator[_Wait]:
         """All-reduce flat ``tensor`` over several hosts: this host's part through shared memory,
         the hosts' parts through ``across`` (a communicator of the ranks with this local rank).
 
@@ -234,7 +279,7 @@ class TorchOps:
                 if r != self.rank:
                     part[bounds[r]:bounds[r + 1]].copy_(self._view(r, step, part.dtype, n)[bounds[r]:bounds[r + 1]])
 
-    def _reduce_scatter_gen(self, output: torch.Tensor, input: torch.Tensor, op: Op, seq: int
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, seq: int
                             ) -> Iterator[_Wait]:
         """Rank r receives the ``op`` of every rank's slice r of flat ``input`` into flat ``output``."""
         m = output.numel()
@@ -254,7 +299,7 @@ class TorchOps:
             parts = [self._view(r, step, input.dtype, self.size * length)[lo:lo + length] for r in range(self.size)]
             self._fold(out[start:start + length], parts, op, True)
 
-    def _all_gather_gen(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Iterator[_Wait]:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Iterator[_Wait]:
         """Fill flat ``output`` with every rank's flat ``input`` in rank order."""
         m = input.numel()
         src, out = input.view(-1), output.view(-1)
@@ -270,7 +315,7 @@ class TorchOps:
             for r in range(self.size):
                 out[r * m + start:r * m + start + length].copy_(self._view(r, step, input.dtype, length))
 
-    def _broadcast_gen(self, tensor: torch.Tensor, src: int, seq: int) -> Iterator[_Wait]:
+    def broadcast(self, tensor: torch.Tensor, src: int, seq: int) -> Iterator[_Wait]:
         """Copy rank ``src``'s flat ``tensor`` into every rank's.
 
         The first step waits for every rank (each checks every fingerprint, the root too);
@@ -294,7 +339,7 @@ class TorchOps:
             if self.rank != src:
                 part.copy_(self._view(src, step, part.dtype, part.numel()))
 
-    def _barrier_gen(self, seq: int) -> Iterator[_Wait]:
+    def barrier(self, seq: int) -> Iterator[_Wait]:
         """Complete once every rank of the plane has entered it."""
         fp = (-1, signature(seq, "barrier"))
         yield from self._step()  # the fingerprint's half of the header line must be free

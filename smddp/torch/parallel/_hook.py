@@ -23,8 +23,8 @@ import torch
 import torch.distributed as tdist
 
 from smddp import knobs
-from smddp.comm.base import Op
 from smddp.comm.engine import events as _events
+from smddp.comm.reduction import Op
 from smddp.torch import _c10d_events, _labels
 
 __all__ = ["ENV", "allreduce_hook", "completes_inline"]

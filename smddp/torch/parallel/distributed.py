@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 import smddp.torch.parallel._hook as _hook
 from smddp import _compat
-from smddp.comm.base import Op
 from smddp.comm.engine.handle import DETACHABLE
+from smddp.comm.reduction import Op
 from smddp.errors import InvalidArgumentError, InvalidGroupError, NotInitializedError
 from smddp.torch import distributed as _dist
 from smddp.torch import groups as _groups

@@ -158,8 +158,8 @@ def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engin
 
     import torch
 
-    from smddp.comm.base import Op
     from smddp.comm.engine import completer, progress
+    from smddp.comm.reduction import Op
 
     before = {t.name for t in threading.enumerate()}
     engines = [_slow_engine() for _ in range(30)]

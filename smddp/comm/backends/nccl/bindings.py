@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from smddp.comm.backends.devices import CUDA_INSTALL
-from smddp.comm.base import BITWISE, Op
+from smddp.comm.reduction import BITWISE, Op
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 
 #: NCCL's ``ncclDataType_t`` values (nccl.h), used where CuPy lacks the constant

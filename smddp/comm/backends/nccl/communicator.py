@@ -53,7 +53,8 @@ from smddp.comm.backends.nccl.lane import CreationTimeout, Lane, open_lane
 from smddp.comm.backends.nccl.pending import Captured, HostPolled, StreamOrdered
 from smddp.comm.backends.nccl.unique_id import UniqueIdTimeout, share_unique_id, unique_id_key
 from smddp.comm.backends.nccl.watchdog import EVENT, HELD, OP_NAME, SEQ, Watchdog, Watched
-from smddp.comm.base import Communicator, Context, Op, Pending, average
+from smddp.comm.base import Communicator, Context, Pending
+from smddp.comm.reduction import Op, average
 from smddp.errors import BackendUnavailableError, CollectiveError, CollectiveTimeout, InvalidArgumentError
 
 __all__ = ["NCCL_2_10", "NCCLCommunicator", "all_to_all_plan", "cuda_index", "load_nccl", "nccl_dtypes",
@@ -466,7 +467,7 @@ class NCCLCommunicator(Communicator):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op, tag: int) -> Pending:
         # NCCL reduces half precision in the dtype, as torch's NCCL group does (moving float32
-        # copies would double the bytes on the wire): the one exception to comm.base.HALF.
+        # copies would double the bytes on the wire): the one exception to comm.reduction.HALF.
         wire_in, wire_op = on_the_wire(input, op, "reduce_scatter")
         wire_out, _ = on_the_wire(output, op, "reduce_scatter")
         dtype = self._dtype_codes[wire_in.dtype]

@@ -14,7 +14,8 @@ import torch
 
 from smddp import _compat
 from smddp.comm.backends.nccl.watchdog import relax_capture_mode
-from smddp.comm.base import Pending, poll
+from smddp.comm.base import Pending
+from smddp.comm.waiting import poll
 
 
 # ---------------------------------------------------------------------------- completion

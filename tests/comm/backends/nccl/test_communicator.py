@@ -23,9 +23,10 @@ from nccl_standin import install
 from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl.communicator import NCCL_2_10
 from smddp.comm.backends.nccl.watchdog import HELD
-from smddp.comm.base import ARITHMETIC, Context, Op
+from smddp.comm.base import Context
 from smddp.comm.engine import Engine
 from smddp.comm.engine.handle import _cpp_future
+from smddp.comm.reduction import ARITHMETIC, Op
 from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import InvalidArgumentError, InvalidTypeError
 from smddp.job import excepthook

@@ -25,8 +25,9 @@ from smddp.comm.algorithms import derived
 from smddp.comm.backends.nccl import pending
 from smddp.comm.backends.nccl.direct import StreamWork
 from smddp.comm.backends.nccl.watchdog import DEADLINE, EVENT, HELD, SEQ, Watchdog
-from smddp.comm.base import Op, Pending
+from smddp.comm.base import Pending
 from smddp.comm.engine import Handle
+from smddp.comm.reduction import Op
 from smddp.errors import CollectiveError, WaitTimeout
 from smddp.torch.process_group import SmddpProcessGroup
 

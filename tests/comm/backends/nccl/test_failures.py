@@ -20,8 +20,9 @@ from nccl_ranks import JOIN, expected_reduce, run_ranks, seeded
 from nccl_standin import install
 
 from smddp.comm.backends.nccl import failures
-from smddp.comm.base import Context, Op
+from smddp.comm.base import Context
 from smddp.comm.engine import Engine
+from smddp.comm.reduction import Op
 from smddp.comm.subgroups import group_topology, subgroup_communicators
 from smddp.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
 from smddp.job import excepthook
@@ -245,7 +246,7 @@ import pytest, torch
 sys.path.insert(0, {tests!r})
 from nccl_ranks import run_ranks
 from nccl_standin import install
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 
 patch = pytest.MonkeyPatch()
 fake = install(patch, deferred=True)

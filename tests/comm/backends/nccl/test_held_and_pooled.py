@@ -22,7 +22,7 @@ from nccl_standin import HostEvent, install
 
 from smddp.comm.backends.nccl import watchdog
 from smddp.comm.backends.nccl.watchdog import EVENT, HELD, Watchdog
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 
 pytestmark = pytest.mark.unit  # in-process, no job started: the fast tier
 

@@ -17,7 +17,7 @@ from nccl_standin import install
 from torch._C._distributed_c10d import FakeProcessGroup
 
 from smddp import _compat
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 from smddp.errors import BackendUnavailableError, CollectiveError
 from smddp.torch.process_group import SmddpProcessGroup
 

@@ -27,7 +27,8 @@ from smddp.comm.backends.nccl import lane
 from smddp.comm.backends.nccl.bindings import _DTYPE_CODES, _OP_CODES
 from smddp.comm.backends.nccl.communicator import NCCLCommunicator, load_nccl, nccl_dtypes, nccl_ops
 from smddp.comm.backends.nccl.unique_id import share_unique_id
-from smddp.comm.base import Context, Op
+from smddp.comm.base import Context
+from smddp.comm.reduction import Op
 from smddp.errors import CollectiveError
 from smddp.info.probe import MARKER
 from smddp.job.topology import Topology

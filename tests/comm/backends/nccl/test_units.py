@@ -32,7 +32,7 @@ from smddp.comm.backends.nccl.communicator import (
     stream_mode,
 )
 from smddp.comm.backends.nccl.unique_id import encode
-from smddp.comm.base import Op
+from smddp.comm.reduction import Op
 from smddp.errors import BackendUnavailableError, CollectiveError, InvalidArgumentError
 from smddp.job.topology import Topology
 
