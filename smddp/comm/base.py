@@ -25,7 +25,6 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 
 from smddp.comm.reduction import Op, check_reduction
-from smddp.comm.waiting import poll  # noqa: F401 - tests/comm/engine/test_timeouts_and_failures.py's import, until it moves
 from smddp.errors import BackendUnavailableError
 from smddp.job.topology import Topology
 

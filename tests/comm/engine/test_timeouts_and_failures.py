@@ -355,7 +355,7 @@ def test_stall_report_words():
 # ---------------------------------------------------------------------------- the one wait loop
 @pytest.mark.unit
 def test_poll_returns_false_once_the_deadline_has_passed():
-    from smddp.comm.base import poll
+    from smddp.comm.waiting import poll
 
     calls = []
 
