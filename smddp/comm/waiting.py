@@ -23,6 +23,8 @@ _LAST_NAP = 5e-4
 # is slept on in slices of this many seconds instead of polled: polling takes the CPU from
 # the very threads doing the work.
 _BLOCK_SLICE = 0.5
+# A wait that has gone on this long calls its ``watch`` (and again each time this long passes).
+_WATCH_EVERY = 1.0
 
 
 def poll(
@@ -30,6 +32,7 @@ def poll(
     deadline: float,
     block: Optional[Callable[[float], object]] = None,
     pause: Optional[Callable[[], object]] = None,
+    watch: Optional[Callable[[], object]] = None,
 ) -> bool:
     """Call ``test()`` until it returns True or ``deadline`` passes.
 
@@ -44,12 +47,14 @@ def poll(
         block: sleeps at most the given seconds or until the operation completes (a
             Pending's ``block``).
         pause: called between two tests instead of the default back-off.
+        watch: called once the wait has gone on a second, and every second after: a look at
+            what the test cannot see (a peer that has ended); it raises to end the wait.
 
     Returns:
         True once ``test()`` did; False when the deadline passed first.
     """
     hot = block is None and pause is None
-    polls, nap, hot_until = 0, _FIRST_NAP, 0.0
+    polls, nap, hot_until, next_watch = 0, _FIRST_NAP, 0.0, None
     while not test():
         polls += 1
         now = time.monotonic()
@@ -60,6 +65,12 @@ def poll(
                 continue
         if now > deadline:
             return False
+        if watch is not None:
+            if next_watch is None:
+                next_watch = now + _WATCH_EVERY
+            elif now >= next_watch:
+                watch()
+                next_watch = now + _WATCH_EVERY
         if block is not None:
             block(min(_BLOCK_SLICE, deadline - now))
         elif pause is not None:

@@ -398,7 +398,8 @@ class Engine(Health, Progress):
         The hot path of synchronous collectives: no handle, no lock.
         """
         try:
-            if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None)):
+            if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None),
+                        watch=lambda: self._look_for_ended(seq, op_name)):
                 raise self._stalled(seq, op_name)
         except BaseException as exc:
             # Failed, timed out or interrupted: the library may still hold the addresses of its

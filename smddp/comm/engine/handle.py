@@ -191,7 +191,9 @@ class Handle(_WorkBase):
             stop = self.deadline if limit is None else min(self.deadline, time.monotonic() + limit)
             block = self._block if getattr(self._pending, "block", None) is not None else None
             try:
-                if not poll(self.is_completed, stop, block):
+                engine = self._engine  # a peer that ended before this collective is found at once
+                if not poll(self.is_completed, stop, block,
+                            watch=lambda: engine._look_for_ended(self.seq, self.op_name)):
                     if stop < self.deadline:
                         raise WaitTimeout(
                             f"{self.op_name} (sequence number {self.seq}) did not complete within the "

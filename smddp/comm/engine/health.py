@@ -50,6 +50,7 @@ class Health:
         self._report_lock = threading.Lock()
         self._channel: Optional[_stall.StoreChannel] = None
         self._channel_group = ""  # this group's name in the channel ("": the world)
+        self._ended_known = 0  # how many of this group's ranks were seen to have ended
         self._owns_channel = False  # the world's engine opens the process's channel and closes it
         if self.size > 1:
             if store is not None:
@@ -116,6 +117,42 @@ class Health:
         if self._broken is None and not isinstance(exc, CollectiveMismatchError):
             self._broken = exc
         return exc
+
+    def _look_for_ended(self, seq: int, op_name: str) -> None:
+        """Raise now, not at the deadline, if a rank of this group has ended before collective ``seq``.
+
+        A rank whose script ended (``sys.exit``, or its last line), or that destroyed the group,
+        after an earlier collective of the group will never join this one: under ``mpirun`` it
+        then waits in ``MPI_Finalize`` and the others waited for their whole timeout (30 minutes
+        by default). A long wait looks once a second (:func:`smddp.comm.waiting.poll`'s ``watch``):
+        one store read, the count of the group's ranks that have ended.
+
+        Raises:
+            CollectiveError: naming the ranks and where each ended; the job is broken by it.
+        """
+        channel = self._channel
+        if channel is None:
+            return
+        try:
+            found = channel.ended(self._channel_group, self._ended_known)
+        except Exception:  # noqa: BLE001 - the store is gone: the deadline still holds
+            return
+        if found is None:
+            return
+        self._ended_known = len(found)
+        me = self.global_rank(self.rank)
+        gone = {rank: st for rank, st in found.items() if rank != me and int(st.get("seq") or 0) < seq}
+        if not gone:
+            return
+        error = CollectiveError(
+            f"{op_name} (sequence number {seq}) cannot complete on {self._who()}: a rank of the group ended "
+            f"before it and will never join it (seen now, not at the {self.timeout:g} s timeout). "
+            f"{_stall.describe(gone, seq, op_name, True, self.advice)} The job is now broken: further "
+            f"collectives fail at once."
+        )
+        if self._broken is None:
+            self._broken = error
+        raise error
 
     def _timeout(self, seq: int, op_name: str, detail: str = "") -> CollectiveTimeout:
         return CollectiveTimeout(

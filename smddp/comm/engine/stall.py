@@ -190,7 +190,23 @@ class StoreChannel:
                 return
             self._notes[group] = status
         self.store.set(f"x/{group}/{self.rank}", json.dumps(status))
+        self.store.append(f"who/{group}", f"{self.rank},")  # before the count: a reader of one finds the other
         self.store.add(f"ended/{group}", 1)
+
+    def ended(self, group: str = "", known: int = 0) -> Optional[Dict[int, Status]]:
+        """The ranks of ``group`` that have ended here (their script's end, ``destroy_process_group``,
+        an uncaught exception), each with the status it left; None while their number is still
+        ``known`` (one store read: the count).
+        """
+        if self.store.add(f"ended/{group}", 0) == known:
+            return None
+        found: Dict[int, Status] = {}
+        for part in self.store.get(f"who/{group}").decode().split(","):
+            if part.isdigit():
+                note = self._read(f"x/{group}/{part}")
+                if note is not None:
+                    found[int(part)] = note
+        return found
 
     def wait_all_ended(self, timeout: float) -> bool:
         """Wait until every rank of the world has called :meth:`note_end` for it, answering queries meanwhile.
