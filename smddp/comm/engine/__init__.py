@@ -399,7 +399,7 @@ class Engine(Health, Progress):
         """
         try:
             if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None),
-                        watch=lambda: self._look_for_ended(seq, op_name)):
+                        watch=lambda: self.look_for_ended(seq, op_name)):
                 raise self._stalled(seq, op_name)
         except BaseException as exc:
             # Failed, timed out or interrupted: the library may still hold the addresses of its

@@ -193,7 +193,7 @@ class Handle(_WorkBase):
             try:
                 engine = self._engine  # a peer that ended before this collective is found at once
                 if not poll(self.is_completed, stop, block,
-                            watch=lambda: engine._look_for_ended(self.seq, self.op_name)):
+                            watch=lambda: engine.look_for_ended(self.seq, self.op_name)):
                     if stop < self.deadline:
                         raise WaitTimeout(
                             f"{self.op_name} (sequence number {self.seq}) did not complete within the "

@@ -118,7 +118,7 @@ class Health:
             self._broken = exc
         return exc
 
-    def _look_for_ended(self, seq: int, op_name: str) -> None:
+    def look_for_ended(self, seq: int, op_name: str) -> None:
         """Raise now, not at the deadline, if a rank of this group has ended before collective ``seq``.
 
         A rank whose script ended (``sys.exit``, or its last line), or that destroyed the group,

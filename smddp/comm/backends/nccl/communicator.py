@@ -1,6 +1,7 @@
 """The ``nccl`` backend: NCCL through CuPy's bindings (``cupy.cuda.nccl``), on CUDA tensors.
 
-The default on CUDA machines. It does what torch's ProcessGroupNCCL does:
+The opt-in on CUDA (``SMDDP_BACKEND=nccl``; the default is torch's own NCCL group, ``torch-nccl``).
+It does what torch's ProcessGroupNCCL does:
 
 - Device: ``init_process_group(device_id=...)``, else the current device the process set,
   else the local rank (:func:`~smddp.comm.backends.devices.pick_device`); a tensor on another
