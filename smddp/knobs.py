@@ -292,6 +292,9 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "compare every collective across ranks before it runs (names the mismatch), print "
          "the CPU plane each group took, and at the end how long each rank waited for a CPU",
          "one small exchange per collective"),
+    Knob("SMDDP_CPU_BIND", "auto", OneOf("auto", "none"),
+         "auto: under torchrun and smddprun's own launcher (which bind no rank), each rank of a host runs "
+         "on its own share of the host's CPUs, as mpirun binds its ranks; none: leave placement to the OS"),
     Knob("SMDDP_ALIAS_SMDISTRIBUTED", True, Switch(),
          "0: processes smddprun starts do not map smdistributed imports to smddp"),
     Knob("SMDDP_MPIRUN", None, Text(_PRINTABLE % 4096, "a command: a path, or a name on PATH"),

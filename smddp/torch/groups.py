@@ -36,7 +36,7 @@ from smddp.comm.base import Context
 from smddp.comm.engine import Engine, debug
 from smddp.comm.store import world_namespace
 from smddp.errors import InvalidGroupError
-from smddp.job import limits, run_delay
+from smddp.job import limits, placement, run_delay
 from smddp.job.topology import Topology, discover
 from smddp.torch import _functional_backends, _init_methods, _labels
 from smddp.torch.delegating_group import DelegatingProcessGroup
@@ -149,8 +149,12 @@ def create(options, backend_options=None) -> SmddpProcessGroup:
         # shared memory would stay until exit, one set per init_process_group().
         destroy()
         _tear_down_at_exit()
-        meter = run_delay.Meter() if debug.enabled() else None
         topology, ranks = _world_topology_for(options.group_rank, options.group_size), None
+        # Before any thread of the world's: they inherit the rank's share of the host's CPUs (issue 55).
+        placed = placement.place(topology)
+        if placed is not None and debug.enabled():
+            print(placed, file=sys.stderr, flush=True)
+        meter = run_delay.Meter() if debug.enabled() else None
         # smddp's init_process_group has chosen the backend already (and probed the machine for it).
         backend = _requested_backend or comm.choose_backend(None, os.environ, topology, comm.probe())
         ctx = Context(topology, timeout, store, device)

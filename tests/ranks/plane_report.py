@@ -9,7 +9,8 @@ multi-node ``mp.spawn``: run once on each of two hosts with ``SPAWN_NODE`` (0 or
 world size (4) to ``init_process_group``: nothing in their environment says where the others are. Every rank all-reduces
 seeded integer-valued tensors of 4 KB to 16 MB (sums of them are exact in float32, so the
 expected result is computed here, without communication) and prints
-``PLANE <rank> <backend> <plane>`` and ``PASSED <rank>``.
+``PLANE <rank> <backend> <plane>``, ``CPUS <rank> <the CPUs it may run on, comma-separated>`` and
+``PASSED <rank>``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def check(rank: int, size: int) -> None:
     comm = groups.current().engine.comms["cpu"]
     # One write per line: processes that share the pipe cannot split it.
     print(f"PLANE {rank} {comm.name} {comm.plane}\n", end="", flush=True)
+    print(f"CPUS {rank} {','.join(map(str, sorted(os.sched_getaffinity(0))))}\n", end="", flush=True)
     dist.destroy_process_group()
     print(f"PASSED {rank}\n", end="", flush=True)
 

@@ -2,13 +2,16 @@
 
 The plane meets its host-mates through the job's torch Store, so mpirun, smddprun (both
 launchers), torchrun, ``torch.multiprocessing.spawn`` and torchrun's c10d rendezvous across two
-hosts (the hierarchical plane over gloo) all get it. Lightning's launcher, srun and local mode
-check the plane in tests/integrations/test_integrations.py, tests/launch/test_slurm.py and
-tests/sagemaker/test_local_mode.py.
+hosts (the hierarchical plane over gloo) all get it. Under the launchers that bind no rank to CPUs
+(torchrun, smddprun's own), each rank of a host runs on CPUs of its own (``smddp.job.placement``).
+Lightning's launcher, srun and local mode check the plane in tests/integrations/test_integrations.py,
+tests/launch/test_slurm.py and tests/sagemaker/test_local_mode.py.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import sys
 
@@ -29,6 +32,20 @@ def assert_plane(result, size: int, backend: str, plane: str) -> None:
     assert rank_lines(result.stdout, "PLANE") == {r: f"{backend} {plane}" for r in range(size)}, result.output
 
 
+def assert_own_cpus(result, size: int) -> None:
+    """Under a launcher that binds no rank: each rank of the host runs on CPUs of its own, together
+    the CPUs the job may use; with fewer CPUs than ranks, each keeps them all (issue 55)."""
+    allowed = set(os.sched_getaffinity(0))
+    cpus = {r: {int(c) for c in line.split(",")} for r, line in rank_lines(result.stdout, "CPUS").items()}
+    assert sorted(cpus) == list(range(size)), result.output
+    if size > len(allowed):
+        assert all(c == allowed for c in cpus.values()), cpus
+        return
+    assert set().union(*cpus.values()) == allowed, cpus
+    assert sum(len(c) for c in cpus.values()) == len(allowed), cpus  # no CPU in two ranks' shares
+    assert all(cpus.values()), cpus
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("np", [2, 3])
 def test_mpirun(np):
@@ -44,18 +61,21 @@ def test_smddprun_on_one_host():
     # smddprun's default on one host: it starts the ranks itself (its local launcher).
     result = run([*SMDDPRUN, "-np", "2", SCRIPT, "v1"], timeout=180)
     assert_plane(result, 2, "gloo", "shm")
+    assert_own_cpus(result, 2)
 
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_torchrun_standalone(np):
-    """On 2 ranks with ``SMDDP_DEBUG=1``, which also says which plane and why, and at the end how
-    long each rank's main thread waited for a CPU."""
+    """On 2 ranks with ``SMDDP_DEBUG=1``, which also says which plane and why, where each rank runs,
+    and at the end how long each rank's main thread waited for a CPU."""
     result = torchrun(np, [SCRIPT, "v2"], timeout=180, env={"SMDDP_DEBUG": "1"} if np == 2 else None)
     assert_plane(result, np, "gloo", "shm")
+    assert_own_cpus(result, np)
     if np == 2:
         assert "smddp: CPU plane: shm (all 2 ranks share one host)" in result.output, result.output
         for rank in range(np):
             assert f"smddp: rank {rank}: its main thread waited for a CPU " in result.output, result.output
+            assert re.search(rf"smddp: rank {rank}: (runs|left) on CPUs? ", result.output), result.output
 
 
 def test_torchrun_v1_api():
@@ -67,8 +87,11 @@ def test_multiprocessing_spawn_with_env_init():
 
 
 def test_pinned_gloo_plane_under_torchrun():
-    result = torchrun(2, [SCRIPT, "v2"], timeout=180, env={"SMDDP_CPU_PLANE": "gloo"})
+    """Also ``SMDDP_CPU_BIND=none``: the ranks keep every CPU the job may use."""
+    result = torchrun(2, [SCRIPT, "v2"], timeout=180, env={"SMDDP_CPU_PLANE": "gloo", "SMDDP_CPU_BIND": "none"})
     assert_plane(result, 2, "gloo", "gloo")
+    allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert rank_lines(result.stdout, "CPUS") == {0: allowed, 1: allowed}, result.output
 
 
 def test_torchrun_c10d_across_two_hosts_is_hierarchical_over_gloo():
