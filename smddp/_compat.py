@@ -347,27 +347,36 @@ class CudaStreams:
         get = getattr(torch._C, "_cuda_getCurrentStream", None)
         put = getattr(torch._C, "_cuda_setStream", None)
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-        self._streams: dict = {}
+        #: Key to the ``Stream`` made for it (what :meth:`current` gives for a key it has seen).
+        self.known: dict = {}
         self._public = get is None or put is None or capturing is None
         if self._public:
-            self.current = self._public_current
+            #: ``ask(index)``: the key of the calling thread's current stream on the device (a C call).
+            self.ask = torch.cuda.current_stream
             self.make_current = torch.cuda.set_stream
             #: True while the calling thread's current stream captures a CUDA graph (a C call).
             self.capturing = torch.cuda.is_current_stream_capturing
         else:
-            self._get, self._put = get, put
+            self.ask, self._put = get, put
             self.capturing = capturing
 
     def current(self):
-        """``(key, stream)``: the calling thread's current stream on the device; ``key`` for :meth:`make_current`."""
-        key = self._get(self.index)
-        stream = self._streams.get(key)
-        if stream is None:
-            if len(self._streams) >= self.CACHE:
-                self._streams.clear()
-            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
-                                                            device_type=key[2])
-        return key, stream
+        """``(key, stream)``: the calling thread's current stream on the device; ``key`` for :meth:`make_current`.
+
+        A caller on the host's path of every collective may inline it: ``key = ask(index)``, then
+        ``known.get(key)``, then :meth:`stream_of` where that gives None."""
+        key = self.ask(self.index)
+        stream = self.known.get(key)
+        return key, stream if stream is not None else self.stream_of(key)
+
+    def stream_of(self, key):
+        """The ``Stream`` of ``key`` (from :attr:`ask`), made once and then :attr:`known`."""
+        if self._public:
+            return key
+        if len(self.known) >= self.CACHE:
+            self.known.clear()
+        stream = self.known[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
 
     def make_current(self, key) -> None:
         """Make the stream of ``key`` (from :meth:`current` or :meth:`key_of`) the calling thread's current one."""
@@ -376,10 +385,6 @@ class CudaStreams:
     def key_of(self, stream):
         """The key of ``stream`` for :meth:`make_current`."""
         return stream if self._public else (stream.stream_id, stream.device_index, stream.device_type)
-
-    def _public_current(self):
-        stream = torch.cuda.current_stream(self.index)
-        return stream, stream
 
 
 def device_future(device: torch.device) -> torch.futures.Future:

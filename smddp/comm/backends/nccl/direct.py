@@ -198,6 +198,10 @@ class DirectPath:
         self._lane, self._watch, self._nccl = lane, owner._watch, owner._nccl
         # Bound once: an attribute lookup less each, on the path of every collective
         self._free, self._watch_start, self._current = self._watch._free, self._watch.start, self.streams.current
+        # The calling thread's current stream, asked as _current() asks it, inlined in start()
+        streams = self.streams
+        self._ask, self._known, self._stream_of = streams.ask, streams.known, streams.stream_of
+        self._cuda, self._capturing = streams.index, streams.capturing
         self.device = lane.device
         # get_device(): the CUDA index, -1 on the CPU (one C call; torch.device objects are made per read)
         self._index = -1 if lane.device.type == "cpu" else lane.device.index
@@ -272,8 +276,11 @@ class DirectPath:
             comm = lane.comm
             if comm is None:
                 raise self.owner._refusal()
-            key, current = self._current()
-            if self.streams.capturing():
+            key = self._ask(self._cuda)  # self._current(), inline
+            current = self._known.get(key)
+            if current is None:
+                current = self._stream_of(key)
+            if self._capturing():
                 return self._captured(comm, kind, output, input, arg, count, async_op, result, current, seq, name)
             side = self._side if async_op else None
             if side is None:  # the caller's stream: the allocator orders reuse there, nothing held

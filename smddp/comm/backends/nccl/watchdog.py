@@ -65,9 +65,10 @@ import torch
 POLL = 0.05
 #: At most this many idle events are kept for reuse.
 POOL = 4096
-#: Seconds between looks while the previous look took off more than :data:`POOL` records
-#: (thousands of calls between two looks): their events come back to the pool sooner.
-BUSY_POLL = 0.005
+#: The shortest time between two looks, in seconds: while callers make records faster than
+#: :data:`POOL` in :data:`POLL` (thousands of small collectives a second), the thread looks as often
+#: as keeps half the pool's events coming back before the callers need them (:meth:`Watchdog._pause`).
+BUSY_POLL = 0.002
 
 _monotonic = time.monotonic
 
@@ -248,6 +249,7 @@ class Watchdog:
             torch.cuda.set_device(self.device)  # events are queried here: no context on GPU 0
         relax_capture_mode()
         inflight, empty = self._inflight, 0
+        looked = time.monotonic()
         while not self._stopped:
             failed, error = self._look()
             if failed is not None:
@@ -257,19 +259,32 @@ class Watchdog:
             with self._passed:
                 self._passed.notify_all()
             # Events that Works still hold are looked at again until they come back: no sleep meanwhile.
-            empty = 0 if inflight or self._lent else empty + 1
+            # Nor while callers add records (the last look took some off), though each look finds none
+            # left: a wake-up per sleep would cost a caller a microsecond every few small collectives.
+            empty = 0 if inflight or self._lent or self._taken else empty + 1
             if empty < 2:
                 # Callers do not wake the thread while it polls (a wake-up per call would take the
                 # GIL from them): a record waits at most POLL for its first look.
-                self._wake.wait(BUSY_POLL if self._taken > POOL else POLL)
+                now = time.monotonic()
+                pause, looked = self._pause(now - looked), now
+                self._wake.wait(pause)
                 self._wake.clear()
                 continue
             self._idle = True  # nothing for two looks: sleep until a caller appends
             if not inflight and not self._stopped:  # a record appended before _idle was set
                 self._wake.wait()
+            self._idle = False  # then clear: a caller that saw it idle meanwhile sets no early wake-up
             self._wake.clear()
-            self._idle = False
             empty = 0
+
+    def _pause(self, since: float) -> float:
+        """Seconds to wait before the next look, given ``since`` seconds between the last two: :data:`POLL`,
+        or less while the callers' rate (the records the last look took off, per second) would use
+        half the pool's events in a :data:`POLL` (each call takes one; a call that finds the pool
+        empty makes a new CUDA event, a microsecond or more of the caller's time)."""
+        if self._taken * POLL <= (POOL // 2) * since:
+            return POLL
+        return max(BUSY_POLL, (POOL // 2) * since / self._taken)
 
     def _look(self):
         """Take completed operations off, oldest first; return the one past its deadline (and

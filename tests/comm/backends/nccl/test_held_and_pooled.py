@@ -152,3 +152,44 @@ def test_asynchronous_collectives_take_their_events_from_a_pool(monkeypatch):
         for i, t, s in got:
             assert torch.equal(t, expected_reduce(2, (4,), torch.float32, Op.SUM, 200 + i)), (r, i)
             assert torch.equal(s, expected_reduce(2, (3, 2), torch.float32, Op.SUM, 250 + i).t()), (r, i)
+
+
+def test_a_steady_stream_of_collectives_never_wakes_the_watchdog(monkeypatch):
+    """While small synchronous collectives keep coming, each finished before the watchdog's next look,
+    the watchdog keeps looking every POLL rather than going to sleep and being woken by a caller
+    (an ``Event.set`` costs the caller a microsecond, every few collectives: issue 51's host cost). The
+    host-cost variant of the stand-in: events come back to the pool at the look that sees them done."""
+    fake = install(monkeypatch, null=True)
+    monkeypatch.setattr(watchdog, "POLL", 0.01)
+
+    def body(r, engine, nccl_comm):
+        _opened(engine)
+        watch = nccl_comm._watch
+        sets, real = [], watch._wake.set
+        monkeypatch.setattr(watch._wake, "set", lambda: (sets.append(1), real())[1])
+        t = seeded(r, (4,), torch.float32, 7)
+        calls, end = 0, time.monotonic() + 0.3  # some 30 looks
+        while time.monotonic() < end:
+            engine.all_reduce(t, Op.SUM)
+            calls += 1
+        return len(sets), calls
+
+    for r, (sets, calls) in run_ranks(fake, 1, body).items():
+        assert sets <= 1, f"rank {r}: {calls} collectives in 0.3 s woke the watchdog {sets} times"
+
+
+def test_the_watchdog_looks_often_enough_to_keep_the_pool_from_running_dry():
+    """Records coming at more than POOL / 2 per POLL shorten the wait before the next look so that
+    half the pool comes back in time (never below BUSY_POLL); a slower stream waits POLL."""
+    watch = Watchdog(60.0, lambda watched, error: None, lambda: None)
+    try:
+        watch._taken = watchdog.POOL // 4  # a quarter of the pool in one POLL: no hurry
+        assert watch._pause(watchdog.POLL) == watchdog.POLL
+        watch._taken = 4 * watchdog.POOL  # four pools in one POLL: look 8 times as often
+        pause = watch._pause(watchdog.POLL)
+        assert pause == pytest.approx(watchdog.POLL / 8)
+        assert pause * watch._taken / watchdog.POLL <= watchdog.POOL // 2  # records until the next look
+        watch._taken = 10 ** 9
+        assert watch._pause(watchdog.POLL) == watchdog.BUSY_POLL
+    finally:
+        watch.stop()
