@@ -194,7 +194,7 @@ class SmddpProcessGroup(tdist.ProcessGroup):
         in the thread that would otherwise block, just before the reducer's own
         end-of-backward step, takes those waits out of every training step.
         """
-        if handle._done:
+        if handle.done:
             return
         handles = self._backward_handles.get(task)
         if handles is None:

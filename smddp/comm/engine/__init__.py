@@ -18,14 +18,15 @@ Every collective, whether it comes from smddp's own functions or from
 - owns every asynchronous operation until it completes, and completes a group's
   collectives in issue order: dropping a handle never changes a result.
 
-The engine owns its argument checks (:attr:`Engine.checks`, :mod:`smddp.comm.engine.arguments`) and
-inherits its failure state and reports (:mod:`smddp.comm.engine.health`) and the advance of its
-operations in flight (:mod:`smddp.comm.engine.progress`); a caller's view of an operation in flight is a
+The engine holds two parts, each with its own state: its argument checks (:attr:`Engine.checks`,
+:mod:`smddp.comm.engine.arguments`) and its work in flight (:attr:`Engine.flight`,
+:mod:`smddp.comm.engine.progress`); it inherits its failure state and reports
+(:mod:`smddp.comm.engine.health`). A caller's view of an operation in flight is a
 :class:`~smddp.comm.engine.handle.Handle` (:mod:`smddp.comm.engine.handle`).
 
 Thread model (docs/architecture.md has the whole of it): any thread may start a collective
 (numbering and starting are one step, under ``_start_lock``); operations in flight are
-tested under the engine's lock by the progress thread and by threads that wait; a
+tested under the lock of the engine's work in flight by the progress thread and by threads that wait; a
 synchronous operation with nothing in flight is tested by its caller alone. Threads thus
 call the library concurrently: the ``mpi`` backend requires ``MPI_THREAD_MULTIPLE`` and
 checks it at init. Callbacks run outside the lock: in a thread that waited for the
@@ -39,7 +40,7 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Deque, Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -47,10 +48,10 @@ from smddp.comm.base import DONE, Communicator, Failed, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
 from smddp.comm.engine.arguments import Checks, check_writable
-from smddp.comm.engine.completer import COMPLETER, completing
+from smddp.comm.engine.completer import completing
 from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
-from smddp.comm.engine.progress import SERVICE, Progress
+from smddp.comm.engine.progress import InFlight
 from smddp.comm.engine.stall import labelled
 from smddp.comm.reduction import Op
 from smddp.comm.waiting import poll
@@ -77,7 +78,7 @@ class _Waiting(Pending):
 
 _WAITING = _Waiting()
 
-class Engine(Health, Progress):
+class Engine(Health):
     """The collectives of one job over one communicator per device type.
 
     Args:
@@ -97,7 +98,7 @@ class Engine(Health, Progress):
             raise ValueError("an engine needs at least one communicator")
         self.comms = dict(comms)
         for comm in self.comms.values():
-            comm.on_timeout = self._stalled  # a communicator that watches its own deadlines (nccl)
+            comm.on_timeout = self.stalled  # a communicator that watches its own deadlines (nccl)
         self.primary = next(iter(self.comms.values()))
         self.rank = self.primary.rank
         self.size = self.primary.size
@@ -107,23 +108,15 @@ class Engine(Health, Progress):
         self.labels = tuple(self.advice)
         self.seq = 0
         self._closed = False
-        # Every asynchronous operation started and not yet done, in issue order. The engine,
-        # not the caller's handle, owns them: see _poll. One lock guards them and their
-        # handles' state, and lets one thread at a time test Pendings.
-        self._inflight: List[Handle] = []
-        self._cv = threading.Condition()
-        # Done stream-ordered operations whose C++ half waits for their device (Progress._settle).
-        self._on_device: List[Handle] = []
-        # Pendings that failed, timed out or were interrupted while the library may still hold
-        # their buffers (and errors of starts that failed part-way, whose frames hold them).
-        self._abandoned: List[object] = []
         self._start_lock = threading.Lock()
         # Collectives waiting for futures' callbacks to run first, and how many unsettled
-        # futures Python holds (see chain()); the threads that complete futures.
+        # futures Python holds (see chain()).
         self._deferred: Deque[Handle] = collections.deque()
         self._chained = 0
-        self._completer = COMPLETER  # the process's completion threads, which every engine shares
-        SERVICE.attach(self)  # the process's progress thread lives while an engine is open
+        #: Its work in flight: every asynchronous operation, owned until it completes (the engine, not
+        #: the caller's handle, owns it), completed in issue order by the process's progress thread.
+        self.flight = InFlight(self.rank, self.settled, self._forget_done_work, self._deferred,
+                               self._expire_deferred)
         #: The argument checks every collective makes before anything is sent.
         self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
@@ -204,31 +197,31 @@ class Engine(Health, Progress):
                 except CollectiveTimeout as exc:
                     # A plane's set-up at the group's first collective waited for a host-mate that did
                     # not come (hostmates): this collective's timeout, with the stall report.
-                    raise self._stalled(seq, op_name, str(exc).rstrip(".")) from exc
+                    raise self.stalled(seq, op_name, str(exc).rstrip(".")) from exc
                 except (CollectiveError, InvalidArgumentError, InvalidTypeError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - a library error becomes a CollectiveError
                     # A start that failed part-way may have posted requests (a ring's receive into
                     # its scratch): the error's traceback holds the frames that hold their buffers.
-                    self._abandoned.append(exc)
-                    raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
+                    self.flight.hold(exc)
+                    raise self.failure(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
                 handle = None
-                if self._inflight:
+                if self.flight.handles:
                     # A collective behind asynchronous ones completes after them.
-                    handle = self._track(Handle(self, seq, op_name, pending, result=result))
+                    handle = self.flight.track(Handle(self, seq, op_name, pending, result=result))
                 elif async_op:
                     # Completed as it started, nothing before it in flight: born done, and no
                     # thread need ever test it (most small collectives, torch's API's too).
                     done = pending is DONE
                     handle = Handle(self, seq, op_name, pending, result=result, done=done)
                     if not done:
-                        self._track(handle)
+                        self.flight.track(handle)
         finally:
             self._start_lock.release()
         if async_op:
             # The handle is the caller's Work, which the engine must not keep alive once it
-            # is done: _poll forgets it as it completes.
-            if handle._done:
+            # is done: _forget_done_work forgets it as it completes.
+            if handle.done:
                 self._last_handle, self._done_seq = None, seq
             else:
                 self._last_handle = handle
@@ -257,7 +250,7 @@ class Engine(Health, Progress):
         Python hook) never wait.
         """
         with self._start_lock:
-            if not handle._settled and not handle.chained:
+            if not handle.settled and not handle.chained:
                 handle.chained = True
                 if handle.start is None:  # started; one still waiting counts once it starts
                     self._chained += 1
@@ -285,7 +278,7 @@ class Engine(Health, Progress):
                 except CollectiveError as exc:
                     error = exc
                 handle.never_started(error)
-                self._track(handle)
+                self.flight.track(handle)
                 continue
             self.seq = seq = handle.seq = self.seq + 1
             self._last_op = handle.op_name
@@ -296,10 +289,10 @@ class Engine(Health, Progress):
             except CollectiveMismatchError as exc:
                 handle.began(Failed(exc))
             except Exception as exc:  # noqa: BLE001 - fails this collective, as a start that failed part-way
-                self._abandoned.append(exc)
-                handle.failed_to_start(self._fail(exc, handle))
-            self._track(handle)
-            if handle.chained and not handle._settled:
+                self.flight.hold(exc)
+                handle.failed_to_start(self.failure(exc, handle))
+            self.flight.track(handle)
+            if handle.chained and not handle.settled:
                 self._chained += 1
 
     def _expire_deferred(self, now: float) -> None:
@@ -317,7 +310,14 @@ class Engine(Health, Progress):
                 if self._broken is None:
                     self._broken = error
                 handle.never_started(error)
-                self._track(handle)
+                self.flight.track(handle)
+
+    def _forget_done_work(self) -> None:
+        """Operations have completed (a pass of :attr:`flight`): once the caller's latest Work is done,
+        the engine no longer keeps it (the record of where this rank is counts it)."""
+        latest = self._last_handle
+        if latest is not None and latest.done and self._last_handle is latest:
+            self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)
 
     def direct_path(self, comm: Communicator):
         """``comm``'s direct path (:attr:`Communicator.direct`) if a collective may take it now, else None.
@@ -333,18 +333,15 @@ class Engine(Health, Progress):
         """
         direct = comm.direct
         if direct is not None and not self._chained and self._debug is None and (
-                not self._inflight or not self._on_stream_in_flight()):
+                not self.flight.handles or not self.flight.on_stream()):
             return direct
         return None
 
-    def _on_stream_in_flight(self) -> bool:
-        """True while a stream-ordered operation of the general path is in flight: the device
-        communicator's (an engine has one per device type, and only a device's is stream-ordered).
-        A list the progress thread replaces as it completes operations, read without the lock."""
-        for handle in self._inflight:
-            if handle._pending.query is not None:
-                return True
-        return False
+    def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
+        """Help ``handles`` complete in this thread for at most ``seconds``; True if all did
+        (:meth:`InFlight.finish <smddp.comm.engine.progress.InFlight.finish>`: DDP's reducer at the end
+        of backward)."""
+        return self.flight.finish(handles, seconds)
 
     @contextlib.contextmanager
     def coalesced(self):
@@ -400,19 +397,19 @@ class Engine(Health, Progress):
         try:
             if not poll(pending.test, time.monotonic() + self.timeout, getattr(pending, "block", None),
                         watch=lambda: self.look_for_ended(seq, op_name)):
-                raise self._stalled(seq, op_name)
+                raise self.stalled(seq, op_name)
         except BaseException as exc:
             # Failed, timed out or interrupted: the library may still hold the addresses of its
             # buffers (another request of the same stage), so they live as long as the engine.
             # A mismatch is the exception: no data moved and the ranks are in step.
             if not isinstance(exc, CollectiveMismatchError):
-                self._abandoned.append(pending)
+                self.flight.hold(pending)
             if isinstance(exc, KeyboardInterrupt):
-                self._interrupted(seq, op_name)
+                self.interrupted(seq, op_name)
             if isinstance(exc, CollectiveError) or not isinstance(exc, Exception):
                 raise
             # A library error becomes a CollectiveError.
-            raise self._fail(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
+            raise self.failure(exc, Handle(self, seq, op_name, DONE, done=True)) from exc
         pending.waited()  # a stream-ordered operation orders the caller's stream
 
     # ------------------------------------------------------------------ collectives
@@ -434,7 +431,7 @@ class Engine(Health, Progress):
         direct = None if comm is None else comm.direct
         # The direct path checks the dtype itself (a tensor it refuses goes on to the checks below)
         if direct is not None and not self._chained and self._debug is None and (
-                not self._inflight or not self._on_stream_in_flight()):
+                not self.flight.handles or not self.flight.on_stream()):
             # self.direct_path(comm) and self.start_direct(...), inline: the host's path of every
             # all-reduce on a GPU, where each Python call is a tenth of what the group adds
             # (benchmarks/nccl_host_cost.py)
@@ -578,7 +575,7 @@ class Engine(Health, Progress):
         collective), and completes on its own, not in the collectives' issue order.
         """
         self._check_usable()
-        return self._track(Handle(self, self.seq, op_name, start(), ordered=False, result=result))
+        return self.flight.track(Handle(self, self.seq, op_name, start(), ordered=False, result=result))
 
     def close(self) -> None:
         """Drain operations in flight, leave the progress thread, then close every communicator.
@@ -591,25 +588,15 @@ class Engine(Health, Progress):
         """
         if self._closed:
             return
-        clean = self._broken is None and self._drain()
+        clean = self._broken is None and self.flight.drain()
         with self._start_lock:
             never_started = list(self._deferred)
             self._deferred.clear()
-        with self._cv:
-            self._closed = True
-            abandoned = list(self._inflight)
-            self._abandoned.extend(handle._pending for handle in abandoned)
-            self._inflight.clear()
-            self._cv.notify_all()
-        abandoned += never_started
-        for handle in abandoned:  # a wait on one (from C++ too) raises instead of waiting for ever
-            handle.abandon(CollectiveError(
-                f"{handle.op_name} (sequence number {handle.seq}) was still in flight on rank {self.rank} "
-                f"when its process group was destroyed"))
-        SERVICE.forget(self)  # the process's progress thread is not inside this engine from now on
-        for handle in self._on_device:  # the communicators are drained or failed: nothing to wait for
-            handle._settle()
-        self._on_device.clear()
+        self._closed = True
+        rank = self.rank
+        self.flight.close(never_started, lambda handle: CollectiveError(
+            f"{handle.op_name} (sequence number {handle.seq}) was still in flight on rank {rank} "
+            f"when its process group was destroyed"))
         self._close_health()
         for comm in self.comms.values():
             comm.on_timeout = None  # its reference back to this engine (a cycle)

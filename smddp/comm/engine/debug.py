@@ -95,7 +95,7 @@ class Checker:
         out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
         pending = self.comm.all_gather(out, mine, seq)
         if not poll(pending.test, time.monotonic() + self.engine.timeout):
-            raise self.engine._stalled(seq, f"{op_name} (the SMDDP_DEBUG check before it)")
+            raise self.engine.stalled(seq, f"{op_name} (the SMDDP_DEBUG check before it)")
         return out.view(self.size, -1).cpu()
 
     def _label_code(self, label: Optional[str]) -> int:

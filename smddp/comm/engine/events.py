@@ -77,8 +77,8 @@ def profiled(engine: Engine, op_name: str, start, async_op: bool, check, args: t
     except BaseException:
         end(event)
         raise
-    if handle is None or handle._done:
+    if handle is None or handle.done:
         end(event)
     else:
-        end_on(event, handle._completion())
+        end_on(event, handle.completion())
     return handle

@@ -133,7 +133,7 @@ class Handle(_WorkBase):
         #: :func:`smddp.comm.algorithms.derived.each`): done when it is, their errors first.
         self.covers: Sequence[Handle] = ()
         self._result = result if result.__class__ is list else list(result)
-        #: What C++ sees of it is complete, its future's callbacks have returned (see Progress._settle).
+        #: What C++ sees of it is complete, its future's callbacks have returned (see InFlight._settle).
         self._settled = done
         if done:
             if _CallbackWork is not None:
@@ -150,7 +150,7 @@ class Handle(_WorkBase):
         else:
             _WorkBase.__init__(self)
             self._waiter = None
-        self._finished = False  # the Pending has completed (or failed): guarded by the engine's lock
+        self._finished = False  # the Pending has completed (or failed): guarded by engine.flight.lock
         self._callbacks: Optional[List[Callable[[Handle], None]]] = []
         self.deadline = time.monotonic() + engine.timeout
         #: Collectives complete in issue order; point-to-point messages (two ranks) do not.
@@ -166,7 +166,7 @@ class Handle(_WorkBase):
     def is_completed(self) -> bool:
         """Make progress; True once the operation has finished (or failed)."""
         if not self._done:
-            self._engine._poll()
+            self._engine.flight.poll()
         return self._done
 
     def wait(self, timeout=None) -> bool:
@@ -199,11 +199,11 @@ class Handle(_WorkBase):
                             f"{self.op_name} (sequence number {self.seq}) did not complete within the "
                             f"{limit:g} s this wait() allowed on rank {self._engine.rank}; it is still in "
                             f"flight")
-                    # The handle fails itself at its deadline (see _advance); past it, it
+                    # The handle fails itself at its deadline (see advance); past it, it
                     # completes once the collectives issued before it have.
                     poll(self.is_completed, math.inf)
             except KeyboardInterrupt:
-                self._engine._interrupted(self.seq, self.op_name)
+                self._engine.interrupted(self.seq, self.op_name)
                 raise
         error = self.exception() if self.covers else self._error
         if error is not None:
@@ -247,7 +247,7 @@ class Handle(_WorkBase):
                 self._engine.chain(self)
         return self._future
 
-    def _completion(self) -> torch.futures.Future:
+    def completion(self) -> torch.futures.Future:
         """A future that completes when the handle settles (the profiler's event ends on it)."""
         return _cpp_future(self) if _CallbackWork is not None else self.get_future()
 
@@ -255,6 +255,32 @@ class Handle(_WorkBase):
         """A receive's sender (torch's ``recv(src=None)``; set by the receive as ``source``)."""
         self.wait()
         return self.source()
+
+    # ------------------------------------------------------------------ its state, read by the engine
+    @property
+    def done(self) -> bool:
+        """It and every collective issued before it are done, and its done-callbacks have run."""
+        return self._done
+
+    @property
+    def finished(self) -> bool:
+        """Its own operation has completed or failed (those issued before it may not have yet)."""
+        return self._finished
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Its own error, None while it has none (:meth:`exception` gives :attr:`covers`' first)."""
+        return self._error
+
+    @property
+    def pending(self) -> Pending:
+        """The communicator's operation (its ``query``, if it has one: a stream-ordered operation)."""
+        return self._pending
+
+    @property
+    def settled(self) -> bool:
+        """What C++ sees of it is complete and its future's callbacks have returned."""
+        return self._settled
 
     # ------------------------------------------------------------------ engine side
     def order_current_stream(self) -> None:
@@ -273,16 +299,18 @@ class Handle(_WorkBase):
         A callback that raises fails this operation only: the error is reported on stderr
         and :meth:`wait` raises it.
         """
-        with self._engine._cv:
+        flight = self._engine.flight
+        with flight.lock:
             if not self._done and self._callbacks is not None:
                 self._callbacks.append(callback)
                 return
-        self._engine._call_back(self, [callback])
+        flight.call_back(self, [callback])
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """The operation is done: complete what C++ sees of it (future, completion, error).
 
-        Called once by the engine, outside its lock, after the done-callbacks.
+        Called once by the engine's work in flight (:mod:`smddp.comm.engine.progress`), outside its lock,
+        after the done-callbacks.
         """
         if _CallbackWork is None:
             return
@@ -368,7 +396,7 @@ class Handle(_WorkBase):
 
     def cancel(self, error: BaseException) -> None:
         """A collective issued before it failed and left the ranks out of step: it fails with ``error``
-        (a finished one too: its success no longer counts). Under the engine's lock."""
+        (a finished one too: its success no longer counts). Under ``engine.flight.lock``."""
         if self._finished:
             self._error = error
         else:
@@ -376,7 +404,7 @@ class Handle(_WorkBase):
 
     def take_callbacks(self) -> List[Callable[[Handle], None]]:
         """Its done-callbacks, to run now it has finished; a callback added from now on runs at once.
-        Under the engine's lock."""
+        Under ``engine.flight.lock``."""
         callbacks, self._callbacks = self._callbacks, None
         return callbacks
 
@@ -394,7 +422,7 @@ class Handle(_WorkBase):
         settled, so that a wait on it (from C++ too) raises instead of waiting for ever."""
         self._error = self._error or error
         self._finished = self._done = True
-        self._settle()
+        self.settle()
 
     def _block(self, seconds: float) -> None:
         if self._finished:
@@ -403,23 +431,23 @@ class Handle(_WorkBase):
         else:
             self._pending.block(seconds)
 
-    def _advance(self, now: float) -> None:
-        """Test the Pending once; fail it past its deadline. Called under the engine's lock."""
+    def advance(self, now: float) -> None:
+        """Test the Pending once; fail it past its deadline. Under the lock of the work in flight."""
         try:
             if self._pending.test():
                 self._finished = True
                 return
         except Exception as exc:  # noqa: BLE001 - surfaced by wait()
-            self._finish_failed(self._engine._fail(exc, self))
+            self._finish_failed(self._engine.failure(exc, self))
             return
         if now > self.deadline:
-            self._finish_failed(self._engine._fail(self._engine._timeout(self.seq, self.op_name), self))
+            self._finish_failed(self._engine.stalled(self.seq, self.op_name))
 
     def _finish_failed(self, error: BaseException) -> None:
         self._error = error
         self._finished = True
         # The library may still hold the buffers' addresses: they live as long as the engine.
-        self._engine._abandoned.append(self._pending)
+        self._engine.flight.hold(self._pending)
 
 
 class _Failed:

@@ -102,7 +102,7 @@ class Health:
                 f"{self._broken}"
             ) from self._broken
 
-    def _fail(self, exc: BaseException, handle: Handle) -> BaseException:
+    def failure(self, exc: BaseException, handle: Handle) -> BaseException:
         """``exc`` as the CollectiveError that ``handle`` ends with; the job is broken by it."""
         if not isinstance(exc, CollectiveError):
             # A peer that died or left shows here first (gloo: "connection closed"): say where the others are.
@@ -162,14 +162,15 @@ class Health:
             f"SMDDP_TIMEOUT or init_process_group(timeout=...))."
         )
 
-    def _stalled(self, seq: int, op_name: str, detail: str = "") -> CollectiveTimeout:
+    def stalled(self, seq: int, op_name: str, detail: str = "") -> CollectiveTimeout:
         """The timeout error for ``seq``, the job marked broken by it; ``detail``: what it waited for."""
         error = self._timeout(seq, op_name, detail)
         if self._broken is None:
             self._broken = error
         return error
 
-    def _interrupted(self, seq: int, op_name: str) -> None:
+    def interrupted(self, seq: int, op_name: str) -> None:
+        """Collective ``seq`` was interrupted (KeyboardInterrupt) while it waited: the job is broken."""
         if self._broken is None:
             self._broken = CollectiveError(
                 f"{op_name} (sequence number {seq}) was interrupted on rank {self.rank}; the ranks are "
@@ -208,7 +209,7 @@ class Health:
         """Where this rank is: its latest collective, whether it finished, how long ago it started."""
         seq, op_name, handle = self.seq, self._last_op, self._last_handle
         if handle is not None and handle.seq == seq:
-            done, started = handle._done, handle.deadline - self.timeout
+            done, started = handle.done, handle.deadline - self.timeout
         else:
             done, started = self._done_seq >= seq, self._last_start
         state = "broken" if self._broken is not None else "running"

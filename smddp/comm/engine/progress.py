@@ -1,12 +1,13 @@
-"""The engine's operations in flight: owned, advanced, completed in issue order, drained.
+"""The engine's work in flight: owned, advanced, completed in issue order, drained.
 
-:class:`Progress` is the part of :class:`~smddp.comm.engine.Engine` that keeps every
-asynchronous operation until it completes: the list in flight, the pass that completes them in
-issue order and runs their callbacks, help from a thread about to wait (:meth:`Progress.finish`),
-and the drain at teardown. One progress thread per process (:class:`Service`) tests the operations
-in flight of every engine that has some, and one set of completion threads
-(:mod:`smddp.comm.engine.completer`) completes them: a group adds no thread of its own (jobs make
-hundreds of groups).
+:class:`InFlight` is a part that :class:`~smddp.comm.engine.Engine` holds (``engine.flight``) and
+that owns its state: every asynchronous operation until it completes (the list in flight), the
+pass that completes them in issue order and runs their callbacks, the operations whose device has
+still to finish them, what a failed operation leaves held, help from a thread about to wait
+(:meth:`InFlight.finish`), and the drain at teardown. One progress thread per process
+(:class:`Service`) passes over the work in flight of every engine that has some, and one set of
+completion threads (:mod:`smddp.comm.engine.completer`) completes it: a group adds no thread of its
+own (jobs make hundreds of groups).
 """
 
 from __future__ import annotations
@@ -25,53 +26,54 @@ from smddp.errors import CollectiveError, CollectiveMismatchError
 
 #: Seconds between the progress thread's polls of operations the host moves.
 _HOST_POLL = 2e-5
-#: At most this long between polls when only devices' operations are left (see _progress).
+#: At most this long between polls when only devices' operations are left (see Service._run).
 _DEVICE_POLL_MAX = 2e-4
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class Service:
-    """The process's one progress thread: it advances the operations in flight of every engine.
+    """The process's one progress thread: it advances the work in flight of every engine.
 
-    An engine with work joins (:meth:`wake`, after it appended under its own lock); the thread
-    passes over the engines that have joined, each under its own lock, and lets an engine go once
-    it has nothing in flight or on a device, checked under the service's lock, so that an engine
-    that starts an operation meanwhile is never left out. Lock order: the service's, then an
-    engine's; an engine never holds its own while it calls in here.
+    An engine's work in flight (:class:`InFlight`, a "work" here) joins when it has some
+    (:meth:`wake`, after it appended under its own lock); the thread passes over the works that
+    have joined, each under its own lock, and lets one go once it has nothing in flight or on a
+    device, checked under the service's lock, so that a work that starts an operation meanwhile is
+    never left out. Lock order: the service's, then a work's; a work never holds its own while it
+    calls in here.
     """
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._engines: List[Progress] = []
-        self._current: Optional[Progress] = None  # the engine the thread is passing over now
+        self._works: List[InFlight] = []
+        self._current: Optional[InFlight] = None  # the work the thread is passing over now
         self._thread: Optional[threading.Thread] = None
-        self._open = 0  # engines made and not yet closed: the thread ends once none is left
+        self._open = 0  # works made (engines) and not yet closed: the thread ends once none is left
 
-    def attach(self, engine: Progress) -> None:
-        """``engine`` is made: the thread, once started, lives until every engine attached is closed."""
+    def attach(self, work: InFlight) -> None:
+        """``work`` is made (an engine): the thread, once started, lives until every work attached is closed."""
         with self._cv:
             self._open += 1
 
-    def wake(self, engine: Progress) -> None:
-        """``engine`` has work in flight: pass over it until it has none (starting the thread at first)."""
+    def wake(self, work: InFlight) -> None:
+        """``work`` has operations in flight: pass over it until it has none (starting the thread at first)."""
         with self._cv:
-            if engine not in self._engines:
-                self._engines.append(engine)
+            if work not in self._works:
+                self._works.append(work)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="smddp-progress", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
 
-    def forget(self, engine: Progress) -> None:
-        """Stop passing over ``engine`` (closing, once): returns once the thread is not inside it, and,
-        if it was the last engine open, once the thread has ended (a destroyed group leaves no thread)."""
+    def forget(self, work: InFlight) -> None:
+        """Stop passing over ``work`` (closing, once): returns once the thread is not inside it, and,
+        if it was the last one open, once the thread has ended (a destroyed group leaves no thread)."""
         with self._cv:
-            if engine in self._engines:
-                self._engines.remove(engine)
-            while self._current is engine:
+            if work in self._works:
+                self._works.remove(work)
+            while self._current is work:
                 self._cv.wait(1.0)
             self._open = max(0, self._open - 1)
-            ending = self._thread if self._open == 0 and not self._engines else None
+            ending = self._thread if self._open == 0 and not self._works else None
             if ending is not None:
                 self._thread = None
                 self._cv.notify_all()
@@ -80,10 +82,10 @@ class Service:
         if ending is not None:
             COMPLETER.trim()  # and the idle completion threads
 
-    def serves(self, engine: Progress) -> bool:
-        """True while the thread passes over ``engine``."""
+    def serves(self, work: InFlight) -> bool:
+        """True while the thread passes over ``work``."""
         with self._cv:
-            return engine in self._engines
+            return work in self._works
 
     def _run(self) -> None:
         """Advance every engine's operations in flight while the callers compute.
@@ -100,30 +102,30 @@ class Service:
                 while True:
                     if self._thread is not me:  # the last engine closed (forget): end
                         return
-                    if self._engines:
+                    if self._works:
                         break
                     self._cv.wait()
                     pause = _HOST_POLL
-                engines = list(self._engines)
+                works = list(self._works)
             backing_off = True
-            for engine in engines:
+            for work in works:
                 with self._cv:
-                    if engine not in self._engines:
+                    if work not in self._works:
                         continue
-                    self._current = engine
+                    self._current = work
                 failed = False
                 try:
-                    device_only = engine._progress_once()
+                    device_only = work.advance()
                 except Exception:  # one engine's fault must not stop every group's progress
                     failed, device_only = True, True
-                    print(f"smddp: the progress thread let go of an engine that raised (its waits still "
+                    print(f"smddp: the progress thread let go of an engine's work that raised (its waits still "
                           f"advance it):\n{traceback.format_exc()}", file=sys.stderr)
                 finally:
                     with self._cv:
                         self._current = None
                         # forget() may have let it go while the thread was inside it
-                        if engine in self._engines and (failed or engine._idle()):
-                            self._engines.remove(engine)
+                        if work in self._works and (failed or work.idle()):
+                            self._works.remove(work)
                         self._cv.notify_all()
                 backing_off = backing_off and device_only
             pause = min(2 * pause, _DEVICE_POLL_MAX) if backing_off else _HOST_POLL
@@ -134,34 +136,76 @@ class Service:
 SERVICE = Service()
 
 
-class Progress:
-    """Operations in flight of an engine; :class:`~smddp.comm.engine.Engine` inherits it."""
+class InFlight:
+    """The engine's work in flight: every asynchronous operation, owned until done, completed in issue order.
 
-    rank: int
-    _closed: bool
-    _cv: threading.Condition
-    _inflight: List[Handle]
-    _on_device: List[Handle]
-    _abandoned: List[object]
-    _last_handle: Optional[Handle]
-    _done_seq: int
-    _completer: Completer
-    _deferred: Deque[Handle]
+    A part that :class:`~smddp.comm.engine.Engine` holds (``engine.flight``), with state of its own:
 
-    def _track(self, handle: Handle) -> Handle:
+    - :attr:`handles`, the operations in flight, in issue order;
+    - the operations done for the host whose device has still to finish them (the list on the device,
+      see :meth:`settle`);
+    - what is held for as long as the engine lives (:meth:`hold`): the Pendings of operations that
+      failed, timed out or were interrupted while the library may still hold their buffers;
+    - the lock that guards them and their handles' state (:attr:`lock`);
+    - its link to the process's progress thread (:data:`SERVICE`) and the completion threads
+      (:attr:`completer`).
+
+    The engine starts operations and hands them over (:meth:`track`); the progress thread, and any
+    thread about to wait (:meth:`poll`, :meth:`finish`), advance them; :meth:`drain` and
+    :meth:`close` end them at teardown.
+
+    Args:
+        rank: the engine's rank, named in errors.
+        settled: called with each handle once what C++ sees of it has completed
+            (:meth:`Engine.settled <smddp.comm.engine.Engine.settled>`), outside the lock.
+        completed: called after a pass has completed operations (the engine forgets the caller's
+            latest Work once it is done).
+        waiting: the engine's collectives waiting to start (its queue, which it alone changes):
+            :meth:`drain` waits for them too.
+        expire: ``expire(now)`` fails those of ``waiting`` past their deadline; each pass calls it
+            while any waits.
+    """
+
+    def __init__(self, rank: int, settled: Callable[[Handle], None], completed: Callable[[], None],
+                 waiting: Deque[Handle], expire: Callable[[float], None]):
+        self.rank = rank
+        #: Every asynchronous operation started and not yet done, in issue order. A pass of
+        #: :meth:`poll` replaces the list rather than change it, so a reader without the lock (the
+        #: engine's direct-path gate) sees one whole list.
+        self.handles: List[Handle] = []
+        #: Guards :attr:`handles`, the list on the device and the state of their handles, and lets one
+        #: thread at a time test Pendings (a handle adds its done-callbacks under it).
+        self.lock = threading.Condition()
+        #: The process's completion threads, which every engine shares.
+        self.completer: Completer = COMPLETER
+        self._on_device: List[Handle] = []  # done for the host; their device has still to finish them
+        self._held: List[object] = []  # kept alive as long as the engine (hold)
+        self._settled = settled
+        self._completed = completed
+        self._waiting = waiting
+        self._expire = expire
+        SERVICE.attach(self)  # the process's progress thread lives while an engine is open
+
+    def track(self, handle: Handle) -> Handle:
         """Own ``handle`` until it completes; the process's progress thread advances it meanwhile."""
-        with self._cv:
-            self._inflight.append(handle)
-            self._cv.notify()
+        with self.lock:
+            self.handles.append(handle)
+            self.lock.notify()
         SERVICE.wake(self)
         return handle
 
-    def _idle(self) -> bool:
-        """Nothing in flight or on a device here (the progress thread may let it go)."""
-        with self._cv:
-            return not self._inflight and not self._on_device
+    def hold(self, thing: object) -> None:
+        """Keep ``thing`` alive as long as the engine: the Pending of an operation that failed, timed
+        out or was interrupted, whose library may still write into its buffers (or the error of a
+        start that failed part-way, whose traceback's frames hold them)."""
+        self._held.append(thing)
 
-    def _poll(self, inline: bool = True) -> None:
+    def idle(self) -> bool:
+        """Nothing in flight or on a device here (the progress thread may let it go)."""
+        with self.lock:
+            return not self.handles and not self._on_device
+
+    def poll(self, inline: bool = True) -> None:
         """Advance every operation in flight once; complete them in issue order.
 
         Every Pending is tested on each pass, so a ring whose handle nobody holds keeps
@@ -172,41 +216,44 @@ class Progress:
         sees of it completes: :meth:`_settle`).
 
         ``inline``: the calling thread runs the callbacks and settles (a thread about to wait);
-        the progress thread passes False and hands them to the engine's completion threads
+        the progress thread passes False and hands them to the completion threads
         (:mod:`smddp.comm.engine.completer`), so that a callback that waits never stops it.
         """
-        if self._deferred:
-            self._expire_deferred(time.monotonic())
+        if self._waiting:
+            self._expire(time.monotonic())
         finished: List[Handle] = []
+        callbacks: List[List[Callable[[Handle], None]]] = []
         settled: List[Handle] = []  # done, no callbacks to run
-        with self._cv:
-            if not self._inflight:
+        with self.lock:
+            if not self.handles:
                 return
             now = time.monotonic()
             keep: List[Handle] = []
             blocked: Optional[Handle] = None  # the earliest collective not yet done
             failed: Optional[Handle] = None  # the earliest that failed and left the ranks out of step
-            for handle in self._inflight:
-                if failed is not None and handle.ordered and handle._error is None:
+            for handle in self.handles:
+                if failed is not None and handle.ordered and handle.error is None:
                     # Also one whose own Pending finished first (a library's requests may
                     # complete out of order): after `failed` the ranks are out of step.
                     cancelled = CollectiveError(
                         f"{handle.op_name} (sequence number {handle.seq}) was cancelled on rank "
                         f"{self.rank}: {failed.op_name} (sequence number {failed.seq}), issued "
-                        f"before it, failed: {failed._error}")
-                    cancelled.__cause__ = failed._error
+                        f"before it, failed: {failed.error}")
+                    cancelled.__cause__ = failed.error
                     handle.cancel(cancelled)
-                elif not handle._finished:
-                    handle._advance(now)
+                elif not handle.finished:
+                    handle.advance(now)
                 if not handle.ordered or blocked is None:
-                    if handle._finished:
-                        error = handle._error
+                    if handle.finished:
+                        error = handle.error
                         # A mismatch leaves the ranks in step: what follows it runs.
                         if (handle.ordered and error is not None and failed is None
                                 and not isinstance(error, CollectiveMismatchError)):
                             failed = handle
-                        if handle._callbacks:
+                        calls = handle.take_callbacks()
+                        if calls:
                             finished.append(handle)  # done once its callbacks have run
+                            callbacks.append(calls)
                         else:
                             handle.mark_done()
                             settled.append(handle)
@@ -214,28 +261,25 @@ class Progress:
                     if handle.ordered:
                         blocked = handle
                 keep.append(handle)
-            self._inflight = keep
-            callbacks = [handle.take_callbacks() for handle in finished]
+            self.handles = keep
         if not finished and not settled:
             return
         if inline:
             with completion():
                 self._complete(finished, callbacks, settled)
         else:
-            self._completer.submit(lambda: self._complete(finished, callbacks, settled))
+            self.completer.submit(lambda: self._complete(finished, callbacks, settled))
 
     def _complete(self, finished: List[Handle], callbacks: list, settled: List[Handle]) -> None:
         """Run the done-callbacks of ``finished`` and settle every handle, in issue order."""
         for handle, calls in zip(finished, callbacks):
-            self._call_back(handle, calls)
+            self.call_back(handle, calls)
             # Done only now: a wait() that returns has seen a raising callback's error.
             handle.mark_done()
             self._settle(handle)
         for handle in settled:
             self._settle(handle)
-        latest = self._last_handle
-        if latest is not None and latest._done and self._last_handle is latest:
-            self._last_handle, self._done_seq = None, max(self._done_seq, latest.seq)  # forget the caller's Work
+        self._completed()
 
     def _settle(self, handle: Handle) -> None:
         """Complete what C++ sees of ``handle``, done: its future and its completion.
@@ -244,38 +288,47 @@ class Progress:
         CUDA events for a reader's stream to wait on: that half is settled once the device has
         finished the operation, which the progress thread polls (:meth:`_settle_on_device`).
         """
-        if handle._pending.query is None:
-            handle._settle()
-            self.settled(handle)
+        if handle.pending.query is None:
+            handle.settle()
+            self._settled(handle)
             return
-        with self._cv:
+        with self.lock:
             self._on_device.append(handle)
-            self._cv.notify()
+            self.lock.notify()
 
     def _settle_on_device(self) -> List[Handle]:
         """The stream-ordered handles whose device has finished them, taken off the list on the device.
 
-        The caller (the progress thread) has them settled (:meth:`Handle._settle`) off its own thread.
+        The caller (the progress thread) has them settled (:meth:`Handle.settle`) off its own thread.
         """
-        with self._cv:
+        with self.lock:
             waiting, self._on_device = self._on_device, []
         later, finished = [], []
         for handle in waiting:
             try:
-                done = handle._pending.query()
+                done = handle.pending.query()
             except Exception:  # noqa: BLE001 - the communicator failed: its waits raise that
                 done = True
             (finished if done else later).append(handle)
         if later:
-            with self._cv:
+            with self.lock:
                 self._on_device[:0] = later
         return finished
 
     def _settle_all(self, handles: List[Handle]) -> None:
         """Settle stream-ordered ``handles`` that their device has finished (a completion job)."""
         for handle in handles:
-            handle._settle()
-            self.settled(handle)
+            handle.settle()
+            self._settled(handle)
+
+    def on_stream(self) -> bool:
+        """True while a stream-ordered operation is in flight (a device communicator's: an engine has
+        one per device type, and only a device's is stream-ordered). Reads :attr:`handles` without
+        the lock: a pass replaces the list, never changes it."""
+        for handle in self.handles:
+            if handle.pending.query is not None:
+                return True
+        return False
 
     def finish(self, handles: Sequence[Handle], seconds: float) -> bool:
         """Help ``handles`` complete in this thread for at most ``seconds``; True if all did.
@@ -289,11 +342,12 @@ class Progress:
         """
         give_up = time.monotonic() + seconds
         for handle in handles:
-            if not poll(handle.is_completed, give_up, getattr(handle._pending, "block", None), _yield_cpu):
+            if not poll(handle.is_completed, give_up, getattr(handle.pending, "block", None), _yield_cpu):
                 return False
         return True
 
-    def _call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
+    def call_back(self, handle: Handle, callbacks: List[Callable[[Handle], None]]) -> None:
+        """Run ``handle``'s done-``callbacks``; one that raises fails the operation, reported on stderr."""
         for callback in callbacks:
             try:
                 callback(handle)
@@ -306,24 +360,45 @@ class Progress:
                 print(f"smddp: {error}", file=sys.stderr)
                 handle.callback_failed(error)
 
-    def _progress_once(self) -> bool:
-        """One pass of the progress thread over this engine; True if only stream-ordered operations,
+    def advance(self) -> bool:
+        """One pass of the progress thread over this work; True if only stream-ordered operations,
         waiting for their device, are left (the thread may back off)."""
-        self._poll(inline=False)
+        self.poll(inline=False)
         settled = self._settle_on_device() if self._on_device else ()
         if settled:
-            self._completer.submit(lambda settled=settled: self._settle_all(settled))
-        return bool(self._on_device) and not self._inflight and not settled
+            self.completer.submit(lambda settled=settled: self._settle_all(settled))
+        return bool(self._on_device) and not self.handles and not settled
 
-    def _drain(self) -> bool:
+    def drain(self) -> bool:
         """Wait for every operation in flight or waiting to start, each within its deadline;
-        True if all completed."""
+        True if all completed and nothing is held (:meth:`hold`)."""
         while True:
-            with self._cv:
-                if not self._inflight and not self._deferred:
-                    return not self._abandoned
-                last = self._inflight[-1] if self._inflight else self._deferred[-1]
+            with self.lock:
+                if not self.handles and not self._waiting:
+                    return not self._held
+                last = self.handles[-1] if self.handles else self._waiting[-1]
             try:
                 last.wait()
             except CollectiveError as exc:
                 print(f"smddp: rank {self.rank}: at teardown: {exc}", file=sys.stderr)
+
+    def close(self, never_started: Sequence[Handle], error: Callable[[Handle], BaseException]) -> None:
+        """Let go of the work (the engine closes, after :meth:`drain`).
+
+        Every operation still in flight, and ``never_started`` (collectives that waited to start),
+        ends with its own error or else ``error(handle)``, settled, so that a wait on it (from C++
+        too) raises instead of waiting for ever; the Pendings of those in flight are held. Then the
+        progress thread lets this go, and what waited for its device is settled (the communicators
+        are drained or failed: nothing to wait for).
+        """
+        with self.lock:
+            abandoned, self.handles = self.handles, []
+            self._held.extend(handle.pending for handle in abandoned)
+            self.lock.notify_all()
+        for handle in [*abandoned, *never_started]:
+            handle.abandon(error(handle))
+        SERVICE.forget(self)  # the process's progress thread is not inside this from now on
+        with self.lock:
+            on_device, self._on_device = self._on_device, []
+        for handle in on_device:
+            handle.settle()

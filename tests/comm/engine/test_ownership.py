@@ -86,7 +86,7 @@ def test_collective_done_as_it_starts_needs_no_thread():
         "future = tdist.broadcast(t, 0, async_op=True).get_future()\n"
         "print('DONE', h.is_completed(), work.is_completed(), future.done(), seen == [h.seq])\n"
         "import threading\n"
-        "print('THREAD', any(t.name == 'smddp-progress' for t in threading.enumerate()), len(engine._inflight))\n"
+        "print('THREAD', any(t.name == 'smddp-progress' for t in threading.enumerate()), len(engine.flight.handles))\n"
         "print('VALUES', t.tolist())\n"
         "tdist.destroy_process_group()\n"
     )
@@ -174,13 +174,13 @@ def test_one_progress_thread_and_one_set_of_completion_threads_serve_every_engin
         assert names.count("smddp-progress") <= 1, names
         # every engine hands its completions to the process's one Completer (whose threads are made
         # as concurrent jobs need them and reused): none has threads of its own
-        assert all(engine._completer is completer.COMPLETER for engine in engines)
+        assert all(engine.flight.completer is completer.COMPLETER for engine in engines)
         assert {name for name in names if "completion" in name} <= {"smddp-completion"}, names
         assert sorted(seen) == list(range(30)), seen
     finally:
         for engine in engines:
             engine.close()
-    assert all(not progress.SERVICE.serves(engine) for engine in engines)  # each let go as it closed
+    assert all(not progress.SERVICE.serves(engine.flight) for engine in engines)  # each let go as it closed
 
 
 @pytest.mark.unit
@@ -198,14 +198,14 @@ def test_an_engine_closed_while_the_progress_thread_is_inside_it_leaves_the_thre
         def __init__(self, block: bool):
             self.block, self.passes = block, 0
 
-        def _progress_once(self) -> bool:
+        def advance(self) -> bool:
             self.passes += 1
             if self.block and not release.is_set():
                 inside.set()
                 release.wait(10)
             return False
 
-        def _idle(self) -> bool:
+        def idle(self) -> bool:
             return True  # nothing in flight: the thread lets it go after a pass
 
     service = Service()

@@ -77,7 +77,7 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
         records = [w for w in nccl_comm._watch._inflight if w[SEQ] >= first]
         after = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
         mine.synchronize()
-        return got, before, after, [w[HELD] for w in records], engine._inflight
+        return got, before, after, [w[HELD] for w in records], list(engine.flight.handles)
 
     results = run_ranks(fake, 2, body)
     for r in range(2):
