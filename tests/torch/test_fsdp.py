@@ -65,7 +65,6 @@ def test_example_runs(tmp_path):
     assert state["fc1.weight"].shape == (32, 8 * 12 * 12)  # full, unsharded weights
 
 
-@pytest.mark.unit
 @pytest.mark.gpu
 def test_fsdp1_and_fsdp2_on_cuda(tmp_path):
     """FSDP1 (GPU only) and fully_shard on CUDA, one rank per visible GPU."""

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import smddp.torch.distributed as dist
-from smddp.comm.engine.debug import Checker
+from smddp.comm.engine.debug import DebugComparison
 
 from launchers import RANKS, mpirun, rank_lines
 
@@ -50,13 +50,13 @@ def test_world_of_one_with_debug_checks(world_of_one, monkeypatch):
     dist.destroy_process_group()
     monkeypatch.setenv("SMDDP_DEBUG", "1")
     checked = []
-    real_check = Checker.check
+    real_check = DebugComparison.check
 
     def counted(self, seq, op_name, *args, **kwargs):
         checked.append(op_name)
         return real_check(self, seq, op_name, *args, **kwargs)
 
-    monkeypatch.setattr(Checker, "check", counted)
+    monkeypatch.setattr(DebugComparison, "check", counted)
     dist.init_process_group()
     total = 0
     for name in props.PROPERTIES:

@@ -54,7 +54,7 @@ _GLOO_OPS = {
 }
 
 
-class _Checked(checked.Checked):
+class _GlooCheckedCollective(checked.CheckedCollective):
     """A checked gloo collective: sleeps on gloo's own thread while it waits."""
 
     __slots__ = ()
@@ -118,7 +118,8 @@ class GlooCommunicator(Communicator):
         #: before gloo's own operation. The hierarchical plane's exchange between hosts turns it
         #: off: a check there may not add a round trip (``SMDDP_DEBUG=1`` checks everything).
         self.check_large = True
-        self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the gloo plane", _Checked)
+        self.checker = checked.CheckedSequence(self.size, SMALL_BYTES, self._gather, "the gloo plane",
+                                               _GlooCheckedCollective)
 
     def close(self) -> None:
         """Let go of the gloo group and the checker that holds this communicator's own method (a

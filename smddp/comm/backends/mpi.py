@@ -200,7 +200,7 @@ class MPICommunicator(Communicator):
         self._large_comm = None
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.checker = checked.Checker(self.size, SMALL_BYTES, self._gather, "the MPI plane")
+        self.checker = checked.CheckedSequence(self.size, SMALL_BYTES, self._gather, "the MPI plane")
         #: Check every all-reduce (its fingerprint first, in one small all-gather): the
         #: hierarchical plane turns it on for its flat all-reduces (see :meth:`agree`).
         self.check_all_reduce = False

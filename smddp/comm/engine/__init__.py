@@ -47,7 +47,7 @@ import torch
 from smddp.comm.base import DONE, Communicator, Failed, Pending, flat, then
 from smddp.comm.engine import debug as _debug
 from smddp.comm.engine import events as _events
-from smddp.comm.engine.arguments import Checks, check_writable
+from smddp.comm.engine.arguments import ArgumentChecks, check_writable
 from smddp.comm.engine.completer import completing
 from smddp.comm.engine.handle import Handle
 from smddp.comm.engine.health import Health
@@ -118,11 +118,11 @@ class Engine(Health):
         self.flight = InFlight(self.rank, self.settled, self._forget_done_work, self._deferred,
                                self._expire_deferred)
         #: The argument checks every collective makes before anything is sent.
-        self.checks = Checks(self.rank, self.size, self.comms, self.primary.name)
+        self.checks = ArgumentChecks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check
         self._cuda_comm = self.comms.get("cuda")
         #: SMDDP_DEBUG=1: compares every collective across ranks first; None (no cost) when off.
-        self._debug = _debug.Checker(self, self.comms.get("cpu", self.primary)) if _debug.enabled() else None
+        self._debug = _debug.DebugComparison(self, self.comms.get("cpu", self.primary)) if _debug.enabled() else None
         self._init_health(store)
 
     # ------------------------------------------------------------------ state
@@ -153,7 +153,7 @@ class Engine(Health):
             start: starts the operation on a communicator; ``seq`` is its sequence number.
             async_op: return a :class:`Handle` at once instead of waiting here.
             check: under ``SMDDP_DEBUG`` (:attr:`debugging`), the call described for
-                :meth:`smddp.comm.engine.debug.Checker.check`, which compares it across ranks
+                :meth:`smddp.comm.engine.debug.DebugComparison.check`, which compares it across ranks
                 first; None otherwise.
             args: passed to ``start`` before ``seq``.
             inputs: the tensors the collective reads: the shapes torch's profiler records

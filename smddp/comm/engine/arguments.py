@@ -1,6 +1,6 @@
 """Argument checks every backend would make, done before anything is sent.
 
-Every :class:`~smddp.comm.engine.Engine` owns a :class:`Checks` (``engine.checks``): it
+Every :class:`~smddp.comm.engine.Engine` owns a :class:`ArgumentChecks` (``engine.checks``): it
 picks the communicator for a call's tensors (device and dtype), checks ranks, per-rank
 lists and split sizes, and gives each collective a contiguous buffer. An argument error
 raises on the calling rank before any rank communicates, as torch's process groups do.
@@ -18,7 +18,7 @@ from smddp.comm.base import Communicator
 from smddp.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError
 
 
-class Checks:
+class ArgumentChecks:
     """The argument checks of one engine's group.
 
     Args:

@@ -9,7 +9,7 @@ the values that differ, and the collective is not run (so the job can go on). An
 to rank ``j`` is what ``j`` expects from ``i``.
 
 It costs one small all-gather per collective, so it is off by default; when off, the
-engine holds ``None`` instead of a :class:`Checker` and pays one ``is None`` test. The rows
+engine holds ``None`` instead of a :class:`DebugComparison` and pays one ``is None`` test. The rows
 and their description are :mod:`smddp.comm.mismatch.fingerprint`'s, shared with the shared-memory
 plane, which compares a fingerprint of every collective whatever this setting.
 """
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from smddp.comm.engine import Engine
 
 ENV = "SMDDP_DEBUG"
-__all__ = ["ENV", "WIDTH", "Checker", "enabled", "explain", "fingerprint"]
+__all__ = ["ENV", "WIDTH", "DebugComparison", "enabled", "explain", "fingerprint"]
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -51,7 +51,7 @@ def enabled(env: Mapping[str, str] = os.environ) -> bool:
     return knobs.value(ENV, env)
 
 
-class Checker:
+class DebugComparison:
     """Runs the ``SMDDP_DEBUG`` comparison for one engine.
 
     Args:

@@ -10,7 +10,7 @@ its own before it uses anything: if the calls differ, every rank raises the same
 stays in step. A collective whose data rode in the rows is then done; a larger one puts out its
 own operation once the rows agree.
 
-A :class:`Checker` puts a communicator's checked collectives out in issue order, the same on
+A :class:`CheckedSequence` puts a communicator's checked collectives out in issue order, the same on
 every rank: a collective's exchange goes out once the collective before it has put out all of
 its own operations, and its own operation once its exchange is in and agrees. (gloo pairs every
 operation by that order; MPI pairs collectives by their order on a communicator, so its checked
@@ -41,7 +41,7 @@ def split_words(sends: Sequence[int], expects: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(sends) + list(expects), dtype=torch.int64).view(torch.uint8)
 
 
-class Checker:
+class CheckedSequence:
     """A communicator's checked collectives, put out in issue order.
 
     Args:
@@ -49,7 +49,7 @@ class Checker:
         small_bytes: bytes of data a row carries: collectives up to this size take no other exchange.
         gather: all-gathers rows on the communicator (see :data:`Gather`).
         plane: the plane in words, for errors (``"the gloo plane"``).
-        kind: the :class:`Checked` class to make (a communicator's may add ``block``).
+        kind: the :class:`CheckedCollective` class to make (a communicator's may add ``block``).
 
     Attributes:
         row_bytes: bytes of every row: :data:`HEAD` and room for the data, or for an all-to-all's
@@ -62,12 +62,12 @@ class Checker:
         self.row_bytes = HEAD + max(small_bytes, 16 * size)
         self.plane = plane
         self._gather = gather
-        self._kind = kind or Checked
-        self._issuing: Deque[Checked] = collections.deque()  # collectives not yet wholly put out
+        self._kind = kind or CheckedCollective
+        self._issuing: Deque[CheckedCollective] = collections.deque()  # collectives not yet wholly put out
         self._lock = threading.Lock()
 
     def start(self, fp: Optional[Print], data: torch.Tensor = EMPTY, small=None, large=None,
-              paired: bool = False) -> Checked:
+              paired: bool = False) -> CheckedCollective:
         """Start a checked collective (in issue order).
 
         Args:
@@ -81,7 +81,7 @@ class Checker:
         """
         return self._kind(self, fp, data, small, large, paired)
 
-    def _issue(self, op: Checked) -> None:
+    def _issue(self, op: CheckedCollective) -> None:
         with self._lock:
             self._issuing.append(op)
             if len(self._issuing) == 1:
@@ -107,13 +107,13 @@ class Checker:
                 issuing[0]._exchange()
 
 
-class Checked(Pending):
-    """One checked collective (see the module's docstring and :meth:`Checker.start`)."""
+class CheckedCollective(Pending):
+    """One checked collective (see the module's docstring and :meth:`CheckedSequence.start`)."""
 
     __slots__ = ("_checker", "_fp", "_data", "_rows", "_first", "_small", "_large", "_paired", "_second",
                  "_done", "_error")
 
-    def __init__(self, checker: Checker, fp: Optional[Print], data: torch.Tensor, small, large, paired: bool):
+    def __init__(self, checker: CheckedSequence, fp: Optional[Print], data: torch.Tensor, small, large, paired: bool):
         self._checker, self._fp, self._data, self._small, self._large = checker, fp, data, small, large
         self._paired = paired
         self._rows: Optional[torch.Tensor] = None
