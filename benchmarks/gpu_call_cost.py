@@ -155,7 +155,7 @@ def primitives(t: torch.Tensor, backend: str) -> Dict[str, float]:
         ptr = t.data_ptr()
 
         def calling() -> None:
-            with lane.calling(comm._refusal):
+            with lane.calling(comm.refusal):
                 pass
 
         steps: Dict[str, Callable[[], object]] = {
@@ -164,7 +164,7 @@ def primitives(t: torch.Tensor, backend: str) -> Dict[str, float]:
             "comm.check()": comm.check,
             "lane.streams.current()": lane.streams.current,
             "lane.streams.capturing()": lane.streams.capturing,
-            "watch.event()+record(current)": lambda: comm._watch.event().record(current),
+            "watch.event()+record(current)": lambda: comm.watch.event().record(current),
         }
         figures.update({name: per_call(name, call) for name, call in steps.items()})
         name = "cupy allReduce 256 on the group's stream"

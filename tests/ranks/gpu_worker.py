@@ -286,15 +286,15 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda._sleep(self._cycles_for(0.5))
         dist.all_reduce(t)
-        assert comm._watch.drain(), "an operation that completes was reported expired"
+        assert comm.watch.drain(), "an operation that completes was reported expired"
         time.sleep(3)  # past the 2 s deadline of that all_reduce
         dist.all_reduce(t)
         dist.barrier()
         self.close(t, torch.full((1000,), float(sum(range(1, self.size + 1)) * self.size)), "all_reduce")
-        assert not comm._watch.expired and comm._lane.comm is not None
+        assert not comm.watch.expired and comm._lane.comm is not None
         self.passed("deadlines/not_expired")
         dist.destroy_process_group()
-        assert comm._lane.comm is None and not comm._watch.expired
+        assert comm._lane.comm is None and not comm.watch.expired
         self.passed("deadlines/closed")
         self.finish()
 
@@ -311,13 +311,13 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda._sleep(self._cycles_for(6.0))
         dist.all_reduce(t)  # queued behind the 6 s kernel
-        assert not comm._watch.expired, "the host waited for the GPU (past the deadline)"
+        assert not comm.watch.expired, "the host waited for the GPU (past the deadline)"
         self.passed("stall/host_did_not_wait")
         if os.environ.get("SMDDP_NCCL_ASYNC_ERROR_HANDLING") != "2":
             time.sleep(30)  # the watchdog ends the process meanwhile
             print("STILL RUNNING", flush=True)
             return
-        assert not comm._watch.drain() and comm._watch.expired, "the watchdog did not expire the all_reduce"
+        assert not comm.watch.drain() and comm.watch.expired, "the watchdog did not expire the all_reduce"
         assert comm._lane.comm is None, "the NCCL communicator was not aborted"
         self.passed("stall/expired")
         try:

@@ -166,10 +166,10 @@ class NCCLCommunicator(Communicator):
             )
         self.stream_mode = stream_mode()
         self.error_handling = failures.error_handling()
-        self._nccl = load_nccl()
-        self.nccl_version = int(self._nccl.get_version())
-        self._dtype_codes = nccl_dtypes(self._nccl)
-        self._op_codes = nccl_ops(self._nccl, self.nccl_version)
+        self.nccl = load_nccl()
+        self.nccl_version = int(self.nccl.get_version())
+        self.dtype_codes = nccl_dtypes(self.nccl)
+        self.op_codes = nccl_ops(self.nccl, self.nccl_version)
         if self.nccl_version < NCCL_2_10:
             self.dtypes = frozenset(self.dtypes - {torch.bfloat16})
         self._ctx = ctx
@@ -178,11 +178,11 @@ class NCCLCommunicator(Communicator):
         self._bound = pick_device(ctx, "cuda") if ctx.device is not None else None  # checks device_id now
         self._lane: Optional[Lane] = None
         self._open_lock = threading.Lock()
-        # The first failure (a deadline passed, an NCCL error): raised by every later call and wait.
-        self._error: Optional[BaseException] = None
+        #: The first failure (a deadline passed, an NCCL error), or None: raised by every later call and wait.
+        self.failure: Optional[BaseException] = None
         self._error_lock = threading.Lock()
         self._closing = False
-        self._watch = Watchdog(ctx.timeout.total_seconds(), self._expired, self._poll_async_error,
+        self.watch = Watchdog(ctx.timeout.total_seconds(), self._expired, self._poll_async_error,
                                name=f"smddp-nccl-watchdog-{self.rank}")
 
     @property
@@ -228,21 +228,21 @@ class NCCLCommunicator(Communicator):
             device = self.device  # device_id, else the current device as set, else the local rank
             if tensor is not None:
                 check_device(tensor, device, self.name)  # before anything is sent
-            deadline = time.monotonic() + self._watch.timeout
+            deadline = time.monotonic() + self.watch.timeout
             try:
-                uid = share_unique_id(self._nccl, self._ctx.topology, self._ctx.store, key=unique_id_key(),
+                uid = share_unique_id(self.nccl, self._ctx.topology, self._ctx.store, key=unique_id_key(),
                                       deadline=deadline)
-                lane = open_lane(self._nccl, self.size, self.rank, uid, device, cuda_index(device), deadline,
+                lane = open_lane(self.nccl, self.size, self.rank, uid, device, cuda_index(device), deadline,
                                  self.stream_mode == "side")
             except (UniqueIdTimeout, CreationTimeout) as exc:
-                raise self._give_up(seq, f"{op_name} (creating the NCCL communicator)") from exc
+                raise self.give_up(seq, f"{op_name} (creating the NCCL communicator)") from exc
             except CollectiveError as exc:
                 raise self._record(exc) from exc.__cause__
             except Exception as exc:  # noqa: BLE001 - the store failed: say so, as a collective's failure
                 raise self._record(CollectiveError(
                     f"{op_name}: sharing NCCL's unique id through the group's store failed on rank {self.rank}: "
                     f"{exc}")) from exc
-            self._watch.device = lane.index
+            self.watch.device = lane.index
             self.direct = DirectPath(self, lane)
             self._lane = lane
             return lane
@@ -250,11 +250,11 @@ class NCCLCommunicator(Communicator):
     # ------------------------------------------------------------------ failures
     def raise_failure(self) -> None:
         """Raise the communicator's failure, if it has one."""
-        if self._error is not None:
-            raise self._error
+        if self.failure is not None:
+            raise self.failure
 
-    def _refusal(self) -> BaseException:
-        return self._error or CollectiveError("the NCCL communicator was closed")
+    def refusal(self) -> BaseException:
+        return self.failure or CollectiveError("the NCCL communicator was closed")
 
     def check(self) -> None:
         """Raise the communicator's failure, if any: a deadline that passed or NCCL's asynchronous error.
@@ -268,22 +268,22 @@ class NCCLCommunicator(Communicator):
         if lane is None:
             return
         failure = None
-        with lane.calling(self._refusal) as comm:
+        with lane.calling(self.refusal) as comm:
             try:
                 comm.check_async_error()
             except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
                 failure = exc
         if failure is not None:
-            raise self._give_up(None, "an operation in flight", failure) from failure
+            raise self.give_up(None, "an operation in flight", failure) from failure
 
     def _record(self, error: BaseException) -> BaseException:
         """Make ``error`` the communicator's failure unless it has one; return the one it has."""
         with self._error_lock:
-            if self._error is None:
-                self._error = error
-            return self._error
+            if self.failure is None:
+                self.failure = error
+            return self.failure
 
-    def _give_up(self, seq: Optional[int], op_name: str, nccl_error: Optional[BaseException] = None) -> BaseException:
+    def give_up(self, seq: Optional[int], op_name: str, nccl_error: Optional[BaseException] = None) -> BaseException:
         """Operation ``seq`` failed (NCCL's error) or passed its deadline (None): record why, then act
         as the error-handling mode says (abort, end the process, or neither). Returns the failure."""
         if nccl_error is not None:
@@ -291,19 +291,19 @@ class NCCLCommunicator(Communicator):
             error = CollectiveError(
                 f"NCCL reported an error on rank {self.rank} ({self.device}) in {where}: {nccl_error}. Set "
                 f"NCCL_DEBUG=WARN to see NCCL's own report")
-        elif self._error is None:  # the engine's report asks the other ranks: not under a lock
+        elif self.failure is None:  # the engine's report asks the other ranks: not under a lock
             hook = None if self._closing else self.on_timeout
             error = hook(seq, op_name) if hook is not None else CollectiveTimeout(
-                f"{op_name} (sequence number {seq}) did not complete within {self._watch.timeout:g} s on rank "
+                f"{op_name} (sequence number {seq}) did not complete within {self.watch.timeout:g} s on rank "
                 f"{self.rank} of {self.size}")
         else:
-            error = self._error
+            error = self.failure
         error = self._record(error)
         mode = failures.CLEAN_UP_ONLY if self._closing else self.error_handling
         if failures.aborts(mode):
             self.abort()
         else:
-            self._watch.stop()
+            self.watch.stop()
         if failures.ends_process(mode):
             failures.end_process(error, self.rank, mode)
         return error
@@ -311,12 +311,12 @@ class NCCLCommunicator(Communicator):
     def _poll_async_error(self) -> None:
         lane = self._lane
         if lane is not None:
-            with lane.calling(self._refusal) as comm:
+            with lane.calling(self.refusal) as comm:
                 comm.check_async_error()
 
     def _expired(self, watched: Watched, error: Optional[BaseException]) -> None:
         """The watchdog gave up on ``watched`` (its deadline, or NCCL's ``error``)."""
-        self._give_up(watched[SEQ], watched[OP_NAME], error)
+        self.give_up(watched[SEQ], watched[OP_NAME], error)
 
     # ------------------------------------------------------------------ plumbing
     def _enqueue(self, lane: Lane, seq: int, op_name: str, stream, call: Callable[[Any, Any], None],
@@ -332,11 +332,11 @@ class NCCLCommunicator(Communicator):
                 f"{op_name} cannot be captured in a CUDA graph: it blocks the host until every rank "
                 f"arrived (as torch's NCCL barrier does); call it before or after the capture")
         direct = self.direct
-        if direct is not None and direct._groups:
+        if direct is not None and direct.coalescing():
             direct.flush()  # a coalesced call's collectives on the direct path come first
         failure = refused = event = None
-        with lane.calling(self._refusal) as comm:
-            watched = None if capturing else self._watch.start(seq, op_name, held, lane.streams.key_of(stream))
+        with lane.calling(self.refusal) as comm:
+            watched = None if capturing else self.watch.start(seq, op_name, held, lane.streams.key_of(stream))
             try:
                 # NCCL's asynchronous error (a peer died) fails the next call, as it starts: the
                 # watchdog polls it between calls, and tests of operations in flight do not.
@@ -350,11 +350,11 @@ class NCCLCommunicator(Communicator):
                     except Exception as exc:  # noqa: BLE001 - NCCL refused the call, or an abort ended it
                         refused = exc
                     if not capturing:  # a captured operation's event would be a node of the graph
-                        event = self._watch.event()
+                        event = self.watch.event()
                         _compat.record_event(event, stream)
                         watched[EVENT] = event
         if failure is not None:
-            raise self._give_up(seq, op_name, failure) from failure
+            raise self.give_up(seq, op_name, failure) from failure
         if refused is not None:
             raise self._refusal_at_call(seq, op_name, refused, watched) from refused
         if capturing:
@@ -366,8 +366,8 @@ class NCCLCommunicator(Communicator):
         """The error for an operation whose NCCL call raised: the communicator's failure if it has one
         (an abort ended the call, a peer died), else the call's own error, raised at the call as torch's
         NCCL group raises it, with the communicator left as it was (its record is done)."""
-        if self._error is not None:  # as any failure: the error-handling mode acts (an abort finishes)
-            return self._give_up(seq, op_name, exc)
+        if self.failure is not None:  # as any failure: the error-handling mode acts (an abort finishes)
+            return self.give_up(seq, op_name, exc)
         try:
             self.check()
         except CollectiveError as failure:
@@ -382,13 +382,13 @@ class NCCLCommunicator(Communicator):
 
     def _reduce_code(self, op: Op) -> Tuple[int, bool]:
         """NCCL's code for ``op``, and whether AVERAGE must divide the sum afterwards (NCCL < 2.10)."""
-        code = self._op_codes[op]
-        return (self._op_codes[Op.SUM], True) if code is None else (code, False)
+        code = self.op_codes[op]
+        return (self.op_codes[Op.SUM], True) if code is None else (code, False)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: Op, tag: int) -> Pending:
         wire, op = on_the_wire(tensor, op, "all_reduce")
-        dtype = self._dtype_codes[wire.dtype]
+        dtype = self.dtype_codes[wire.dtype]
         code, divide = self._reduce_code(op)
         lane = self._lane_for(tag, "all_reduce", tensor)
         stream = lane.stream()
@@ -405,7 +405,7 @@ class NCCLCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         wire, _ = on_the_wire(tensor, None, "broadcast")
-        dtype = self._dtype_codes[wire.dtype]
+        dtype = self.dtype_codes[wire.dtype]
         lane = self._lane_for(tag, "broadcast", tensor)
         stream = lane.stream()
 
@@ -419,7 +419,7 @@ class NCCLCommunicator(Communicator):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int) -> Pending:
         wire_in, _ = on_the_wire(input, None, "all_gather")
         wire_out, _ = on_the_wire(output, None, "all_gather")
-        dtype = self._dtype_codes[wire_in.dtype]
+        dtype = self.dtype_codes[wire_in.dtype]
         lane = self._lane_for(tag, "all_gather", input)
         stream = lane.stream()
 
@@ -439,7 +439,7 @@ class NCCLCommunicator(Communicator):
     ) -> Pending:
         wire_in, _ = on_the_wire(input, None, "all_to_all_single")
         wire_out, _ = on_the_wire(output, None, "all_to_all_single")
-        dtype = self._dtype_codes[wire_in.dtype]
+        dtype = self.dtype_codes[wire_in.dtype]
         calls, own = all_to_all_plan(self.rank, self.size, output_counts, input_counts)
         lane = self._lane_for(tag, "all_to_all_single", input)
         stream = lane.stream()
@@ -454,7 +454,7 @@ class NCCLCommunicator(Communicator):
                 return
             itemsize = wire_in.element_size() * per
             send_base, recv_base, handle = wire_in.data_ptr(), wire_out.data_ptr(), stream.cuda_stream
-            self._nccl.groupStart()
+            self.nccl.groupStart()
             try:
                 for kind, peer, offset, count in calls:
                     if kind == "send":
@@ -462,7 +462,7 @@ class NCCLCommunicator(Communicator):
                     else:
                         comm.recv(recv_base + offset * itemsize, count * per, dtype, peer, handle)
             finally:
-                self._nccl.groupEnd()
+                self.nccl.groupEnd()
 
         return self._enqueue(lane, tag, "all_to_all_single", stream, call, (output, input))
 
@@ -471,7 +471,7 @@ class NCCLCommunicator(Communicator):
         # copies would double the bytes on the wire): the one exception to comm.reduction.HALF.
         wire_in, wire_op = on_the_wire(input, op, "reduce_scatter")
         wire_out, _ = on_the_wire(output, op, "reduce_scatter")
-        dtype = self._dtype_codes[wire_in.dtype]
+        dtype = self.dtype_codes[wire_in.dtype]
         code, divide = self._reduce_code(wire_op)
         lane = self._lane_for(tag, "reduce_scatter", input)
         stream = lane.stream()
@@ -527,7 +527,7 @@ class NCCLCommunicator(Communicator):
 
     def _sum_one(self, lane: Lane) -> Callable[[Any, Any], None]:
         ptr = lane.barrier_buf.data_ptr()
-        codes = self._dtype_codes[torch.float32], self._op_codes[Op.SUM]
+        codes = self.dtype_codes[torch.float32], self.op_codes[Op.SUM]
         return lambda comm, stream: comm.allReduce(ptr, ptr, 1, *codes, stream.cuda_stream)
 
     # ------------------------------------------------------------------ teardown
@@ -537,7 +537,7 @@ class NCCLCommunicator(Communicator):
         No call starts on it meanwhile. An abort that does not return within
         :data:`~smddp.comm.backends.nccl.failures.ABORT_GRACE` seconds ends the process.
         """
-        self._watch.stop()
+        self.watch.stop()
         lane = self._lane
         comm = lane.take() if lane is not None else None
         if comm is None:
@@ -559,20 +559,20 @@ class NCCLCommunicator(Communicator):
         """
         lane = self._lane
         if lane is None or lane.comm is None:
-            self._watch.stop()
+            self.watch.stop()
             return
         self.on_timeout = None  # the job's stall report has closed already
         self._closing = True
         try:
             stream = lane.stream()
             self._enqueue(lane, 0, "barrier (destroy_process_group)", stream, self._sum_one(lane), ())
-            clean = self._watch.drain() and self._error is None
+            clean = self.watch.drain() and self.failure is None
         except CollectiveError:
             clean = False
         if not clean:
             self.abort()
             return
-        self._watch.stop()
+        self.watch.stop()
         comm = lane.take()
         if comm is not None:
             comm.destroy()

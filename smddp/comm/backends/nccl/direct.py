@@ -101,7 +101,7 @@ class StreamWork(_Work):
         """
         path = self._path
         owner = path.owner
-        error = self.exception() if self.covers else owner._error
+        error = self.exception() if self.covers else owner.failure
         if error is not None:
             raise error
         watched = self._watched
@@ -113,8 +113,8 @@ class StreamWork(_Work):
             if limit is not None:
                 stop = time.monotonic() + limit
                 while not event.query():
-                    if owner._error is not None:  # the watchdog gave up on it (or on one before it)
-                        raise owner._error
+                    if owner.failure is not None:  # the watchdog gave up on it (or on one before it)
+                        raise owner.failure
                     if time.monotonic() > stop:
                         raise WaitTimeout(f"{watched[OP_NAME]} (sequence number {watched[SEQ]}) did not complete "
                                           f"within the {limit:g} s this wait() allowed on rank {owner.rank}; it "
@@ -134,11 +134,11 @@ class StreamWork(_Work):
     def is_completed(self) -> bool:
         """True once the GPU has finished the collective (as torch's NCCL ``Work``), or it failed."""
         watched = self._watched
-        return self._path.owner._error is not None or watched is None or watched[EVENT].query()
+        return self._path.owner.failure is not None or watched is None or watched[EVENT].query()
 
     def is_success(self) -> bool:
         """True once the GPU has finished the collective and the communicator has not failed."""
-        return self.is_completed() and self._path.owner._error is None
+        return self.is_completed() and self._path.owner.failure is None
 
     def exception(self) -> Optional[BaseException]:
         """The communicator's failure, if it has one (first, that of a collective it :attr:`covers`)."""
@@ -146,7 +146,7 @@ class StreamWork(_Work):
             error = work.exception()
             if error is not None:
                 return error
-        return self._path.owner._error
+        return self._path.owner.failure
 
     def get_future(self) -> torch.futures.Future:
         """The collective's CUDA-aware future, complete since it was enqueued: ``wait()`` and
@@ -195,9 +195,9 @@ class DirectPath:
     def __init__(self, owner, lane):
         #: The communicator; the calling thread's current stream on the device (asked cheaply).
         self.owner, self.streams = owner, lane.streams
-        self._lane, self._watch, self._nccl = lane, owner._watch, owner._nccl
+        self._lane, self.watch, self.nccl = lane, owner.watch, owner.nccl
         # Bound once: an attribute lookup less each, on the path of every collective
-        self._free, self._watch_start, self._current = self._watch._free, self._watch.start, self.streams.current
+        self._free, self._watch_start, self._current = self.watch.free, self.watch.start, self.streams.current
         # The calling thread's current stream, asked as _current() asks it, inlined in start()
         streams = self.streams
         self._ask, self._known, self._stream_of = streams.ask, streams.known, streams.stream_of
@@ -207,8 +207,8 @@ class DirectPath:
         self._index = -1 if lane.device.type == "cpu" else lane.device.index
         # The dtypes NCCL has a type for (bfloat16 from NCCL 2.10); those sent converted (bool,
         # complex, float8) take the general path. AVERAGE is NCCL's own from 2.10, else not here.
-        self._dtypes = {dtype: code for dtype, code in owner._dtype_codes.items() if dtype in owner.dtypes}
-        self._ops = {op: code for op, code in owner._op_codes.items() if code is not None}
+        self._dtypes = {dtype: code for dtype, code in owner.dtype_codes.items() if dtype in owner.dtypes}
+        self._ops = {op: code for op, code in owner.op_codes.items() if code is not None}
         #: ``record_event(event, stream)`` and ``wait_event(event, stream)``: CUDA's, one C call each.
         self.record_event, self.wait_event = _compat.record_event, _compat.wait_event
         self._side = lane.side
@@ -275,7 +275,7 @@ class DirectPath:
         try:
             comm = lane.comm
             if comm is None:
-                raise self.owner._refusal()
+                raise self.owner.refusal()
             key = self._ask(self._cuda)  # self._current(), inline
             current = self._known.get(key)
             if current is None:
@@ -295,7 +295,7 @@ class DirectPath:
             try:
                 comm.check_async_error()  # NCCL's asynchronous error (a peer died) fails this call
             except Exception as exc:  # noqa: BLE001 - CuPy's NcclError, or the call an abort ended
-                raise self.owner._give_up(seq, name, exc) from exc
+                raise self.owner.give_up(seq, name, exc) from exc
             groups = self._groups
             group = groups.get(_thread_id()) if groups else None
             if group is not None:
@@ -317,7 +317,7 @@ class DirectPath:
                 raise self._refused(comm, exc, watched, raw, seq, name) from exc
             if group is None:
                 free = self._free  # the watchdog's pool (Watchdog.event, inline)
-                event = free.pop() if free else self._watch.event()
+                event = free.pop() if free else self.watch.event()
                 self.record_event(event, raw)
                 watched[EVENT] = event
             else:
@@ -353,8 +353,8 @@ class DirectPath:
                     comm.reduceScatter(input.data_ptr(), output.data_ptr(), count, dtype, self._ops[arg], handle)
         except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
             owner = self.owner
-            if owner._error is not None:
-                raise owner._error from exc
+            if owner.failure is not None:
+                raise owner.failure from exc
             raise CollectiveError(self._refusal_words(name, seq, exc)) from exc
         if not async_op:
             return None
@@ -368,13 +368,13 @@ class DirectPath:
         ended the call, a peer died), else NCCL's refusal of this call, raised at the call as torch's
         NCCL group raises it. The call's record completes after what is queued on ``stream``."""
         owner = self.owner
-        if owner._error is not None:  # as any failure: the error-handling mode acts (an abort finishes)
-            return owner._give_up(seq, name, exc)
+        if owner.failure is not None:  # as any failure: the error-handling mode acts (an abort finishes)
+            return owner.give_up(seq, name, exc)
         try:
             comm.check_async_error()
         except Exception as failure:  # noqa: BLE001 - the communicator's asynchronous error
-            return owner._give_up(seq, name, failure)
-        event = self._watch.event()
+            return owner.give_up(seq, name, failure)
+        event = self.watch.event()
         self.record_event(event, stream)  # nothing was enqueued: the record is done with the stream
         watched[HELD] = ()
         watched[EVENT] = event
@@ -388,6 +388,10 @@ class DirectPath:
                 f"NCCL_DEBUG=WARN to see NCCL's own report")
 
     # ------------------------------------------------------------------ coalesced calls
+    def coalescing(self) -> bool:
+        """True while a thread's coalesced call is open on this path (:meth:`begin_group`)."""
+        return bool(self._groups)
+
     def begin_group(self) -> None:
         """Start a coalesced call in this thread: its collectives on this path, until :meth:`end_group`,
         are one NCCL group, launched together (torch's NCCL group's coalesced collectives are one)."""
@@ -427,8 +431,8 @@ class DirectPath:
         if group.stream != stream:
             if group.stream is not None:
                 self._launch(group)
-            self._nccl.groupStart()
-            group.stream, group.raw, group.event = stream, raw, self._watch.event()
+            self.nccl.groupStart()
+            group.stream, group.raw, group.event = stream, raw, self.watch.event()
 
     def _launch(self, group: _Group) -> None:
         """``ncclGroupEnd()``: the open group's collectives, one launch; then its event, for every record."""
@@ -438,9 +442,9 @@ class DirectPath:
         lane.busy = True
         try:
             try:
-                self._nccl.groupEnd()
+                self.nccl.groupEnd()
             except Exception as exc:  # noqa: BLE001 - CuPy's NcclError
-                error = self.owner._error or CollectiveError(
+                error = self.owner.failure or CollectiveError(
                     self._refusal_words(f"a coalesced call of {len(records)} collectives", records[-1].seq
                                         if records else 0, exc))
             else:

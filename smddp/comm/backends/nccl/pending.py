@@ -47,10 +47,10 @@ class StreamOrdered(Pending):
     def queue_after(self, action) -> bool:
         with torch.cuda.device(self._lane.index), torch.cuda.stream(self._stream):
             action()
-        event = self._owner._watch.event()  # from the pool, back in it once nothing refers to it
+        event = self._owner.watch.event()  # from the pool, back in it once nothing refers to it
         _compat.record_event(event, self._stream)
         # What the action touches (a list's tensors, a non-contiguous tensor) is held until it ran.
-        self._owner._watch.follow(self._watched, event, action)
+        self._owner.watch.follow(self._watched, event, action)
         self.event = event
         return True
 

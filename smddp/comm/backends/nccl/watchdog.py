@@ -156,7 +156,7 @@ class Watchdog:
         self._expiring = False  # expire() is running: drain() waits for its abort to finish
         self.expired = False
         #: Events of completed operations, for :meth:`event`; those something may still refer to.
-        self._free: List[Any] = []
+        self.free: List[Any] = []
         self._lent: List[Any] = []
         #: Stream key to the newest record made on that stream (see the module docstring).
         self._newest: Dict[Any, Watched] = {}
@@ -203,7 +203,7 @@ class Watchdog:
     def event(self):
         """A CUDA event to record after an operation, from the pool: give it to the operation's record,
         and the watchdog takes it back once the record has completed and nothing else refers to it."""
-        free = self._free
+        free = self.free
         return free.pop() if free else torch.cuda.Event()
 
     def _add(self, watched: Watched) -> None:
@@ -253,7 +253,7 @@ class Watchdog:
         while not self._stopped:
             failed, error = self._look()
             if failed is not None:
-                self._give_up(failed, error)
+                self.give_up(failed, error)
                 return
             self._recycle()
             with self._passed:
@@ -331,7 +331,7 @@ class Watchdog:
         lent = self._lent
         if not lent:
             return
-        free, keep = self._free, []
+        free, keep = self.free, []
         for event, count in zip(lent, _references(lent)):
             if count > _UNSHARED:  # a Work or an operation still refers to it
                 keep.append(event)
@@ -339,7 +339,7 @@ class Watchdog:
                 free.append(event)
         self._lent = keep[-POOL:]  # events Works keep for ever go with their Works
 
-    def _give_up(self, failed: Watched, error: Optional[BaseException]) -> None:
+    def give_up(self, failed: Watched, error: Optional[BaseException]) -> None:
         self.expired = self._stopped = self._expiring = True
         try:
             self._expire(failed, error)

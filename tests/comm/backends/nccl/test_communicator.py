@@ -332,10 +332,10 @@ def test_every_tensor_the_stream_touches_is_held_until_it_is_done(monkeypatch):
         mine = {t.untyped_storage().data_ptr() for t in (*slots, strided)}
         engine.all_gather(slots, seeded(r, (3,), torch.float32, 0), async_op=True).wait()
         engine.all_reduce(strided, Op.SUM, async_op=True).wait()
-        records = list(nccl_comm._watch._inflight)
+        records = list(nccl_comm.watch._inflight)
         held = set().union(*(_storages(w[HELD]) for w in records))  # a record is a list (watchdog.HELD)
         opened.set()
-        drained = nccl_comm._watch.drain()
+        drained = nccl_comm.watch.drain()
         return mine - held, drained, [w[HELD] for w in records]
 
     for missing, drained, after in run_ranks(fake, 2, body).values():
@@ -355,7 +355,7 @@ def test_the_communicator_is_made_at_first_use_on_the_chosen_device_by_threads_t
         handle = engine.all_reduce(t, Op.SUM, async_op=True)
         engine.barrier(async_op=True).wait()  # host-polled: the progress thread may test it too
         handle.wait()
-        assert nccl_comm._watch.drain()
+        assert nccl_comm.watch.drain()
         return made_before, nccl_comm._lane.index, getattr(fake.thread, "device", None), t
 
     results = run_ranks(fake, 2, body, device=lambda r: torch.device("cuda", 3 + r))

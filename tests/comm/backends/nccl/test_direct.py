@@ -74,7 +74,7 @@ def test_a_synchronous_all_reduce_runs_on_the_callers_stream_with_nothing_to_tra
             t = seeded(r, (3, 4), dtype, i)
             assert engine.all_reduce(t, op) is None
             got.append(t)
-        records = [w for w in nccl_comm._watch._inflight if w[SEQ] >= first]
+        records = [w for w in nccl_comm.watch._inflight if w[SEQ] >= first]
         after = (_mine(handles), _mine(pendings), side.enqueued, mine.enqueued)
         mine.synchronize()
         return got, before, after, [w[HELD] for w in records], list(engine.flight.handles)
@@ -291,7 +291,7 @@ def test_the_watchdog_queries_events_holding_no_lock_and_callers_never_wait_for_
         took = time.monotonic() - start
         stuck = not release.is_set()
         release.set()
-        return took, stuck, nccl_comm._watch.drain()
+        return took, stuck, nccl_comm.watch.drain()
 
     took, stuck, drained = run_ranks(fake, 1, body)[0]
     assert stuck and took < JOIN / 2 and drained
@@ -363,11 +363,11 @@ def test_collectives_captured_in_a_cuda_graph_replay_with_the_right_results(monk
         capture = HostStream(fake)  # graphs capture on a stream of their own
         fake.current.stream = capture
         t, u = torch.zeros(5), torch.zeros(3, dtype=torch.float64)
-        watched = len(nccl_comm._watch._inflight)
+        watched = len(nccl_comm.watch._inflight)
         with fake.capture(capture) as graph:
             engine.all_reduce(t, Op.SUM)
             engine.all_reduce(u, Op.MAX, async_op=True).wait()
-        state = {"watched during capture": len(nccl_comm._watch._inflight) - watched, "replays": []}
+        state = {"watched during capture": len(nccl_comm.watch._inflight) - watched, "replays": []}
         for replay in range(3):
             t.copy_(seeded(r, (5,), torch.float32, 10 + replay))
             u.copy_(seeded(r, (3,), torch.float64, 20 + replay))

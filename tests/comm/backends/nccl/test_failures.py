@@ -95,7 +95,7 @@ def test_a_stalled_gpu_is_noticed_without_the_host_waiting(monkeypatch):
             handle.wait(timeout=timedelta(seconds=JOIN))  # with a timeout the host waits: the deadline comes first
         with pytest.raises(CollectiveTimeout):
             handle.wait()  # the next wait raises it too
-        assert not nccl_comm._watch.drain()  # returns once the watchdog has acted
+        assert not nccl_comm.watch.drain()  # returns once the watchdog has acted
         others_done.wait()
         return str(err.value), nccl_comm._lane.comm is None
 
@@ -125,11 +125,11 @@ def test_a_normal_operation_does_not_expire(fake):
     def body(r, engine, nccl_comm):
         t = seeded(r, (4,), torch.float64)
         engine.all_reduce(t, Op.MAX)
-        assert nccl_comm._watch.drain()  # every watched operation completed
+        assert nccl_comm.watch.drain()  # every watched operation completed
         later = threading.Event()
         later.wait(2.5)  # past the 2 s deadline of the all_reduce
         engine.barrier()
-        return t, nccl_comm._watch.expired
+        return t, nccl_comm.watch.expired
 
     results = run_ranks(fake, 2, body, timeout=2.0)
     for r in range(2):
@@ -151,7 +151,7 @@ def test_a_barrier_blocks_the_host_until_its_deadline(monkeypatch):
             return None
         with pytest.raises(CollectiveTimeout, match="Ranks that never arrived: 1.") as err:
             engine.barrier()
-        assert not nccl_comm._watch.drain()  # the watchdog expired it too, and aborted NCCL
+        assert not nccl_comm.watch.drain()  # the watchdog expired it too, and aborted NCCL
         others_done.wait()
         return str(err.value), nccl_comm._lane.comm is None
 
@@ -217,7 +217,7 @@ def test_by_default_a_deadline_that_passes_ends_the_process_without_an_abort(mon
         engine.barrier()
         if r == 0:
             engine.all_reduce(torch.ones(3), Op.SUM, async_op=True).wait()  # rank 1 never calls it
-            assert not nccl_comm._watch.drain()  # the watchdog acted
+            assert not nccl_comm.watch.drain()  # the watchdog acted
         others_done.wait()
         return nccl_comm.error_handling
 
@@ -383,8 +383,8 @@ def test_an_error_nccl_returns_from_a_call_is_raised_there_and_the_process_goes_
         t, u = seeded(r, (4,), torch.float32, 5), seeded(r, (2,), torch.float64, 6)
         engine.all_reduce(t, Op.SUM)
         engine.all_reduce(u, Op.MIN, async_op=True).wait()
-        drained = nccl_comm._watch.drain()
-        return refused, t, u, drained, nccl_comm._error, nccl_comm._lane.comm is not None
+        drained = nccl_comm.watch.drain()
+        return refused, t, u, drained, nccl_comm.failure, nccl_comm._lane.comm is not None
 
     for r, (refused, t, u, drained, error, alive) in run_ranks(fake, 2, body).items():
         for message in refused:

@@ -58,7 +58,7 @@ def test_an_asynchronous_collectives_input_is_let_go_at_wait_before_its_stream_r
         before_it_ran = out.clone()  # the gate holds the group's stream: the all-gather has not run
         opened.set()
         torch.cuda.current_stream().synchronize()
-        return held_in_flight, let_go_at_wait, before_it_ran, out, nccl_comm._watch.drain()
+        return held_in_flight, let_go_at_wait, before_it_ran, out, nccl_comm.watch.drain()
 
     for r, (held, let_go, before_it_ran, out, drained) in run_ranks(fake, 2, body).items():
         assert held, f"rank {r}: the input of a collective in flight was not held"
@@ -130,18 +130,18 @@ def test_asynchronous_collectives_take_their_events_from_a_pool(monkeypatch):
     def body(r, engine, nccl_comm):
         _opened(engine)
         rounds(r, engine, 1, 20)  # fills the pool: an event per collective, one per copy back: 60
-        watch = nccl_comm._watch
+        watch = nccl_comm.watch
         assert watch.drain()
         deadline = time.monotonic() + JOIN / 4  # the engine lets go of its handles; the watchdog looks again
-        while len(watch._free) < 3 * 19 and time.monotonic() < deadline:  # the engine may keep its latest
+        while len(watch.free) < 3 * 19 and time.monotonic() < deadline:  # the engine may keep its latest
             watch._wake.set()
             time.sleep(0.01)
         before = made.count(threading.current_thread().name)
         got = rounds(r, engine, 2, 19)
         new = made.count(threading.current_thread().name) - before
         kept = engine.all_reduce(torch.ones(2), Op.SUM, async_op=True)
-        assert nccl_comm._watch.drain()
-        lent = kept._watched[EVENT] in nccl_comm._watch._free  # a Work's event must not be lent out again
+        assert nccl_comm.watch.drain()
+        lent = kept._watched[EVENT] in nccl_comm.watch.free  # a Work's event must not be lent out again
         kept.wait()
         return new, lent, got
 
@@ -164,7 +164,7 @@ def test_a_steady_stream_of_collectives_never_wakes_the_watchdog(monkeypatch):
 
     def body(r, engine, nccl_comm):
         _opened(engine)
-        watch = nccl_comm._watch
+        watch = nccl_comm.watch
         sets, real = [], watch._wake.set
         monkeypatch.setattr(watch._wake, "set", lambda: (sets.append(1), real())[1])
         t = seeded(r, (4,), torch.float32, 7)
