@@ -116,7 +116,7 @@ class Engine(Health):
         #: Its work in flight: every asynchronous operation, owned until it completes (the engine, not
         #: the caller's handle, owns it), completed in issue order by the process's progress thread.
         self.flight = InFlight(self.rank, self.settled, self._forget_done_work, self._deferred,
-                               self._expire_deferred)
+                               self._expire_deferred, self.look_for_ended)
         #: The argument checks every collective makes before anything is sent.
         self.checks = ArgumentChecks(self.rank, self.size, self.comms, self.primary.name)
         self._cpu_comm = self.comms.get("cpu")  # for all_reduce's inline check

@@ -326,7 +326,7 @@ class Handle(_WorkBase):
             try:
                 # An error travels as a value: a Python error that C++ raised from the future (and
                 # so from every reader of it) would be raised twice from C++, which ends the process.
-                future.set_result(self._result if error is None else _Failed(error))
+                future.set_result(self._result if error is None else _FailedForCpp(error))
             except RuntimeError:  # a C++ wait() in another thread completed it first
                 pass
 
@@ -457,6 +457,22 @@ class _Failed:
 
     def __init__(self, error: BaseException):
         self.error = error
+
+
+class _FailedForCpp(_Failed):
+    """The value of the C++ half's own future when the operation failed (:meth:`Handle._complete_cpp_future`).
+
+    C++ reads that future's value itself: DDP's reducer without a communication hook takes the
+    bucket's tensors from it (``parseCppCommHookResult``), by pickling a Python value
+    (``torch._jit_internal._extract_tensors``). Pickling this one raises the error, so ``backward()``
+    raises it, where a value without tensors ended the process (a segmentation fault in the
+    reducer). A CUDA-aware future pickles its value as it is completed: it gets a :class:`_Failed`.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        raise self.error
 
 
 def _value_or_raise(future: torch.futures.Future):

@@ -29,6 +29,9 @@ _HOST_POLL = 2e-5
 #: At most this long between polls when only devices' operations are left (see Service._run).
 _DEVICE_POLL_MAX = 2e-4
 _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+#: Seconds an operation waits, on the progress thread alone, before the thread asks whether a rank of
+#: its group has ended (and again each time this long passes).
+LOOK_AFTER = 1.0
 
 
 class Service:
@@ -164,10 +167,15 @@ class InFlight:
             :meth:`drain` waits for them too.
         expire: ``expire(now)`` fails those of ``waiting`` past their deadline; each pass calls it
             while any waits.
+        look: ``look(seq, op_name)`` raises :class:`~smddp.errors.CollectiveError` if a rank of the group
+            ended before collective ``seq`` (:meth:`Health.look_for_ended
+            <smddp.comm.engine.health.Health.look_for_ended>`); the progress thread asks it once the oldest
+            collective in flight has waited :data:`LOOK_AFTER` seconds, and each :data:`LOOK_AFTER` after.
     """
 
     def __init__(self, rank: int, settled: Callable[[Handle], None], completed: Callable[[], None],
-                 waiting: Deque[Handle], expire: Callable[[float], None]):
+                 waiting: Deque[Handle], expire: Callable[[float], None],
+                 look: Optional[Callable[[int, str], None]] = None):
         self.rank = rank
         #: Every asynchronous operation started and not yet done, in issue order. A pass of
         #: :meth:`poll` replaces the list rather than change it, so a reader without the lock (the
@@ -184,6 +192,9 @@ class InFlight:
         self._completed = completed
         self._waiting = waiting
         self._expire = expire
+        self._look = look
+        self._oldest = 0  # the sequence number of the oldest collective in flight at the last pass
+        self._next_look = 0.0  # when the progress thread asks look() about it
         SERVICE.attach(self)  # the process's progress thread lives while an engine is open
 
     def track(self, handle: Handle) -> Handle:
@@ -364,10 +375,38 @@ class InFlight:
         """One pass of the progress thread over this work; True if only stream-ordered operations,
         waiting for their device, are left (the thread may back off)."""
         self.poll(inline=False)
+        handles = self.handles
+        if handles and self._look is not None:
+            self._look_for_ended(handles[0])
         settled = self._settle_on_device() if self._on_device else ()
         if settled:
             self.completer.submit(lambda settled=settled: self._settle_all(settled))
         return bool(self._on_device) and not self.handles and not settled
+
+    def _look_for_ended(self, oldest: Handle) -> None:
+        """Fail ``oldest`` now if a rank of the group ended before it (it would never complete).
+
+        A caller's own wait looks once a second (:func:`smddp.comm.waiting.poll`'s ``watch``); an
+        operation that only C++ waits for (DDP's reducer without smddp's hook, a future's ``wait()``)
+        is completed by the progress thread, which looks for it: once the oldest collective in flight
+        has waited :data:`LOOK_AFTER` seconds, and each :data:`LOOK_AFTER` after (one store read).
+        Those after it fail in issue order at the next pass.
+        """
+        if not oldest.ordered:
+            return
+        now = time.monotonic()
+        if oldest.seq != self._oldest:  # its number, not the handle: a done Work is let go (C++ may keep it)
+            self._oldest, self._next_look = oldest.seq, now + LOOK_AFTER
+            return
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_AFTER
+        try:
+            self._look(oldest.seq, oldest.op_name)
+        except CollectiveError as exc:
+            with self.lock:
+                if not oldest.finished:
+                    oldest.cancel(exc)
 
     def drain(self) -> bool:
         """Wait for every operation in flight or waiting to start, each within its deadline;

@@ -250,3 +250,29 @@ def test_the_engine_lets_go_of_the_callers_latest_work_once_a_pass_completes_it(
     gc.collect()
     assert gone() is None, "the engine kept the caller's Work after it was done"
     assert engine.status()["done"] is True and engine.status()["seq"] == 1
+
+
+def test_the_progress_thread_fails_a_collective_a_rank_will_never_join(monkeypatch):
+    """An operation no caller waits for (C++ does: DDP's reducer without smddp's hook) is looked at by
+    the progress thread: once the oldest has waited LOOK_AFTER, the engine's look for ranks that ended
+    fails it there and then, and the collective after it is cancelled, long before their deadline."""
+    from smddp.comm.engine import progress
+
+    monkeypatch.setattr(progress, "LOOK_AFTER", 0.05)
+    asked: List[int] = []
+
+    def look_for_ended(self, seq: int, op_name: str) -> None:
+        asked.append(seq)
+        if seq == 1:
+            raise CollectiveError(f"{op_name} cannot complete: rank 1 ended before it")
+
+    monkeypatch.setattr(Engine, "look_for_ended", look_for_ended)
+    engine = make_engine(timeout=60)
+    try:
+        first, second = started(engine, Switch(), 1), started(engine, Switch(), 2)
+        assert until(lambda: first.done and second.done, 10), asked
+        assert asked and set(asked) == {1}
+        assert "op1 cannot complete: rank 1 ended before it" in str(first.error)
+        assert "op2 (sequence number 2) was cancelled on rank 0: op1" in str(second.error)
+    finally:
+        engine.close()

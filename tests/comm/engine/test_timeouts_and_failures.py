@@ -256,6 +256,22 @@ def test_uneven_batches_named_as_the_rank_ends_not_at_the_timeout():
     report("uneven batches in DDP (mpi, 60 s timeout), rank 0", float(seconds))
 
 
+@pytest.mark.mpi
+def test_uneven_batches_without_the_hook_raise_from_backward_as_the_rank_ends():
+    # Without smddp's hook (SMDDP_DDP_HOOK=0: torch's own path, as torch's DDP over the smddp backend)
+    # only C++ waits for the gradient all-reduce: the progress thread sees the rank that ended, and the
+    # reducer raises the error from backward() (it read a failed future's value and crashed before).
+    result = mpirun(2, [SCRIPT, "uneven"], timeout=90, env={"SMDDP_TIMEOUT": "60", "SMDDP_DDP_HOOK": "0"})
+    assert lines(result.stdout, "DONE") == {1: "3"}, result.output
+    assert "Segmentation fault" not in result.output, result.output
+    kind, seconds, message = lines(result.stdout, "UNEVEN")[0].split(" ", 2)
+    assert "all_reduce (during backward: DDP gradients) (sequence number" in message, message
+    assert "cannot complete on rank 0 of 2: a rank of the group ended before it and will never join it " \
+           "(seen now, not at the 60 s timeout)" in message, message
+    assert "Ranks that never arrived: 1. Rank 1 has reached the end of its script" in message, message
+    report("uneven batches in DDP without smddp's hook (mpi, 60 s timeout), rank 0", float(seconds))
+
+
 def test_uneven_batches_named_on_gloo():
     result = torchrun(2, [SCRIPT, "uneven"], timeout=90, env={"SMDDP_TIMEOUT": str(TIMEOUT_S)})
     assert lines(result.stdout, "DONE") == {1: "3"}, result.output
