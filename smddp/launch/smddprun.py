@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smddp import knobs
 from smddp.errors import InvalidArgumentError, SMDDPError
-from smddp.job import runtime
+from smddp.job import placement, runtime
 from smddp.job.topology import LAUNCHER_PID_ENV, PORT, first_slurm_host
 from smddp.launch.args import Options, parse_args
 from smddp.launch.local_job import LocalJob
@@ -79,25 +79,10 @@ def _host_slots(opts: Options) -> List[Tuple[str, Optional[int]]]:
 def physical_cores() -> int:
     """Physical cores this process may run on: what Open MPI counts as slots by default."""
     try:
-        allowed = os.sched_getaffinity(0)
+        allowed = sorted(os.sched_getaffinity(0))
     except AttributeError:
-        allowed = None
-    cores = set()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            blocks = handle.read().split("\n\n")
-    except OSError:
-        blocks = []
-    for block in blocks:
-        fields = dict(
-            (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines())
-        )
-        if "processor" not in fields:
-            continue
-        if allowed is not None and int(fields["processor"]) not in allowed:
-            continue
-        cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
-    return len(cores) or (len(allowed) if allowed else os.cpu_count() or 1)
+        allowed = list(range(os.cpu_count() or 1))
+    return len(placement.cores(allowed)) or 1
 
 
 def default_nproc(slots: List[Tuple[str, Optional[int]]], env: Mapping[str, str]) -> int:
